@@ -1,0 +1,175 @@
+"""`gather_all_tensors` as `dist_sync_fn` of stock metrics: equal to one process on the concatenated data."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import run_distributed
+from torchmetrics import Metric as StockMetric
+from torchmetrics.aggregation import CatMetric, MeanMetric, SumMetric
+from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision, MulticlassAUROC
+from torchmetrics.utilities import dim_zero_cat
+
+from torchmetrics_varlen import gather_all_tensors
+
+
+class PairCollector(StockMetric):
+    """A custom metric with a 2-D int64 `cat` list state."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("pairs", default=[], dist_reduce_fx="cat")
+
+    def update(self, pairs):
+        self.pairs.append(pairs)
+
+    def compute(self):
+        if isinstance(self.pairs, list) and not self.pairs:
+            return torch.empty(0, 2, dtype=torch.int64)
+        return dim_zero_cat(self.pairs)
+
+
+def _binary(n, gen):
+    return torch.rand(n, generator=gen), torch.randint(0, 2, (n,), generator=gen)
+
+
+def _multiclass(n, gen):
+    return torch.softmax(torch.randn(n, 3, generator=gen), -1), torch.randint(0, 3, (n,), generator=gen)
+
+
+def _values(n, gen):
+    return (torch.randn(n, generator=gen).double(),)
+
+
+def _pairs(n, gen):
+    return (torch.randint(-(10**12), 10**12, (n, 2), generator=gen),)
+
+
+METRICS = {
+    "BinaryAUROC": (lambda **kw: BinaryAUROC(thresholds=None, **kw), _binary),
+    "MulticlassAUROC": (lambda **kw: MulticlassAUROC(num_classes=3, thresholds=None, **kw), _multiclass),
+    "BinaryAveragePrecision": (lambda **kw: BinaryAveragePrecision(thresholds=None, **kw), _binary),
+    "CatMetric": (lambda **kw: CatMetric(**kw), _values),
+    "MeanMetric": (lambda **kw: MeanMetric(**kw), _values),
+    "SumMetric": (lambda **kw: SumMetric(**kw), _values),
+    "PairCollector": (lambda **kw: PairCollector(**kw), _pairs),
+}
+
+SIZES = {
+    "uneven": lambda world: [7, 3, 5, 4][:world],
+    "one_empty": lambda world: [6, 0, 5, 2][:world] if world > 1 else [6],
+    "first_empty": lambda world: [0, 5, 4, 3][:world] if world > 1 else [5],
+    "all_empty": lambda world: [0] * world,
+}
+
+
+def _split(sizes, rank):
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def body_stock_metric(rank, world_size, name, scenario, batch=4):
+    factory, make_data = METRICS[name]
+    sizes = SIZES[scenario](world_size)
+    gen = torch.Generator().manual_seed(1234)
+    data = make_data(sum(sizes), gen)
+    mine = [x[_split(sizes, rank)] for x in data]
+    metric = factory(dist_sync_fn=gather_all_tensors)
+    for start in range(0, sizes[rank], batch):
+        metric.update(*[x[start : start + batch] for x in mine])
+    reference = factory(sync_on_compute=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if sum(sizes):
+            reference.update(*data)
+            expected = reference.compute()
+            got = metric.compute()
+            return {"got": got, "expected": expected}
+        # No data anywhere: the reference metric sees no update at all.
+        try:
+            expected = reference.compute()
+        except Exception as err:  # noqa: BLE001 - the single-process behaviour on no data is the reference
+            expected = type(err).__name__
+        try:
+            got = metric.compute()
+        except Exception as err:  # noqa: BLE001
+            got = type(err).__name__
+        return {"got": got, "expected": expected}
+
+
+def _assert_same(got, expected):
+    if isinstance(expected, str) or isinstance(got, str):
+        assert got == expected
+    elif isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, equal_nan=True, rtol=1e-6, atol=1e-7)
+    else:
+        assert type(got) is type(expected)
+        assert len(got) == len(expected)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scenario", ["uneven", "one_empty", "first_empty"])
+@pytest.mark.parametrize("name", sorted(METRICS))
+def test_stock_metric_with_hook_equals_single_process(world_size, scenario, name):
+    for result in run_distributed(body_stock_metric, world_size, name, scenario):
+        _assert_same(result["got"], result["expected"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", ["MeanMetric", "SumMetric", "CatMetric", "PairCollector"])
+def test_all_ranks_empty_does_not_abort(world_size, name):
+    # Tensor-state metrics must equal the single-process value on no data. For `cat` lists the hook returns empty
+    # tensors; stock `_sync_dist` then stacks them, so only the element count can be compared (torchmetrics_varlen.Metric
+    # restores the exact single-process result, see test_metric.py).
+    for result in run_distributed(body_stock_metric, world_size, name, "all_empty"):
+        if name in ("MeanMetric", "SumMetric"):
+            _assert_same(result["got"], result["expected"])
+        else:
+            got = result["got"]
+            assert isinstance(got, torch.Tensor) and got.numel() == 0
+
+
+def body_hook_autograd(rank, world_size):
+    """`dist_sync_on_step=True`: the local input's gradient is the one-process gradient of the global value."""
+
+    class GlobalMeanSquare(StockMetric):
+        full_state_update = False
+
+        def __init__(self):
+            super().__init__(dist_sync_on_step=True, dist_sync_fn=gather_all_tensors)
+            self.add_state("values", default=[], dist_reduce_fx="cat")
+
+        def update(self, x):
+            self.values.append(x)
+
+        def compute(self):
+            return (dim_zero_cat(self.values) ** 2).mean()
+
+    sizes = [5, 2, 0, 3][:world_size]
+    if world_size == 1:
+        sizes = [4]
+    everything = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    local = everything[_split(sizes, rank)].clone().requires_grad_(True)
+    metric = GlobalMeanSquare()
+    value = metric(local)
+    if local.numel():
+        value.backward()
+    reference_input = everything.clone().requires_grad_(True)
+    (reference_input**2).mean().backward()
+    return {
+        "value": value.detach(),
+        "expected_value": (everything**2).mean(),
+        "grad": local.grad if local.numel() else torch.zeros(0, dtype=torch.float64),
+        "expected_grad": reference_input.grad[_split(sizes, rank)],
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_hook_keeps_rank_local_autograd_graph(world_size):
+    for result in run_distributed(body_hook_autograd, world_size):
+        torch.testing.assert_close(result["value"], result["expected_value"])
+        torch.testing.assert_close(result["grad"], result["expected_grad"])

@@ -1,0 +1,326 @@
+"""The sync protocol, read top to bottom: describe, exchange metadata, plan, pack, exchange data, unpack.
+
+Every rank runs the same steps in the same order whatever it holds:
+
+1. ``describe`` turns the local entries (a tensor, or a list of tensors) into one fixed-size ``int64`` record:
+   a header (protocol magic, what is being synced, a readable label, local errors) and one slot per entry
+   (kind, dtype, element count, item count, shape).
+2. The records of all ranks are exchanged in one collective (see :mod:`torchmetrics_varlen._transport`).
+3. ``make_plan`` decides everything from that table alone: errors (raised on every rank alike), each rank's byte
+   layout, the padded transfer size, the dtype and trailing shape an empty rank takes from its peers.
+4. ``pack`` copies the local entries into one ``uint8`` buffer, each section aligned so it can be viewed as its dtype.
+5. One collective moves every rank's buffer.
+6. ``unpack`` cuts each rank's sections back out as views with their true shape and dtype: padding never escapes.
+
+No rank branches on its local data before step 3, so no rank can skip a collective its peers issue.
+"""
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from torchmetrics_varlen.errors import SyncMismatchError
+
+Entry = Union[Tensor, list[Tensor]]
+
+MAGIC = 0x746D_766C_0001  # "tmvl", protocol version 1
+MAX_NDIM = 6
+ALIGN = 16  # bytes: enough for every dtype, complex128 included, to be viewed in place
+LABEL_WORDS = 3  # 24 bytes of the label travel in the record
+
+# Header slots.
+H_MAGIC, H_CONTEXT, H_LABEL = 0, 1, 2
+H_SYNCED, H_N, H_ERROR, H_ERROR_ENTRY = (H_LABEL + LABEL_WORDS + i for i in range(4))
+HEADER_LEN = H_ERROR_ENTRY + 1
+# Entry slots.
+E_KIND, E_DTYPE, E_NUMEL, E_ITEMS, E_NDIM, E_DIMS = 0, 1, 2, 3, 4, 5
+ENTRY_LEN = 5 + MAX_NDIM
+
+KIND_TENSOR, KIND_LIST = 1, 2
+
+# Local problems found by ``describe``; reported through the record so that every rank raises together.
+ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT = 0, 1, 2, 3, 4
+_ERROR_TEXT = {
+    ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
+    ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
+    ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
+    ERR_LAYOUT: "a sparse or otherwise non-strided tensor",
+}
+
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+    "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+)  # fmt: skip
+# Code 0 means "no dtype" (an empty list). Codes only grow at the end so that versions stay compatible.
+_DTYPES: list[torch.dtype] = [getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)]
+_DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
+
+
+def context_hash(text: str) -> int:
+    """A hash of what is being synced that is equal across processes (``hash()`` is salted per process)."""
+    return zlib.crc32(text.encode())
+
+
+def _encode_label(label: str) -> list[int]:
+    raw = label.encode()[: 8 * LABEL_WORDS].ljust(8 * LABEL_WORDS, b"\0")
+    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _decode_label(words: Sequence[int]) -> str:
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def dtype_name(code: int) -> str:
+    """Readable name of a dtype code, for error messages."""
+    return str(_DTYPES[code - 1]).replace("torch.", "") if code > 0 else "-"
+
+
+def _shape_slots(shape: Sequence[int]) -> list[int]:
+    return [len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
+
+
+def describe(entries: Sequence[Entry], context: int, label: str, synced: bool = False) -> list[int]:
+    """Build this rank's fixed-size metadata record (header plus one slot per entry)."""
+    error, error_entry = ERR_NONE, -1
+    slots: list[int] = []
+    for index, entry in enumerate(entries):
+        slot = [0] * ENTRY_LEN
+        problem = _entry_problem(entry)
+        if problem != ERR_NONE and error == ERR_NONE:
+            error, error_entry = problem, index
+        if problem == ERR_NONE and isinstance(entry, Tensor):
+            slot[E_KIND], slot[E_DTYPE], slot[E_NUMEL], slot[E_ITEMS] = KIND_TENSOR, _DTYPE_CODE[entry.dtype], entry.numel(), 1
+            slot[E_NDIM : E_NDIM + 1 + MAX_NDIM] = _shape_slots(entry.shape)
+        elif problem == ERR_NONE:
+            nonempty = [t for t in entry if t.numel() > 0]
+            dtype_code = _DTYPE_CODE[(nonempty or entry)[0].dtype] if entry else 0
+            slot[E_KIND], slot[E_DTYPE], slot[E_ITEMS] = KIND_LIST, dtype_code, len(entry)
+            slot[E_NUMEL] = sum(t.numel() for t in entry)
+        slots.extend(slot)
+    header = [MAGIC, context, *_encode_label(label), int(synced), len(entries), error, error_entry]
+    return header + slots
+
+
+def _entry_problem(entry: Entry) -> int:
+    items = [entry] if isinstance(entry, Tensor) else entry
+    if not isinstance(entry, (Tensor, list)) or not all(isinstance(t, Tensor) for t in items):
+        return ERR_NOT_TENSOR
+    if any(t.layout != torch.strided or t.dtype not in _DTYPE_CODE for t in items):
+        return ERR_LAYOUT
+    if any(t.ndim > MAX_NDIM for t in items):
+        return ERR_NDIM
+    if len({t.dtype for t in items if t.numel() > 0}) > 1:
+        return ERR_LIST_DTYPE
+    return ERR_NONE
+
+
+@dataclass
+class EntryPlan:
+    """What every rank knows about one entry after the metadata exchange."""
+
+    kind: int
+    dtype: torch.dtype | None  # the common dtype of the non-empty ranks; None when every rank is empty
+    numels: list[int]  # per rank
+    items: list[int]  # per rank
+    shapes: list[tuple[int, ...]]  # per rank (tensor entries)
+    empty_shape: tuple[int, ...] | None  # shape an empty rank takes: (0, *trailing dims of the first non-empty rank)
+    offsets: list[int]  # per rank: byte offset of this entry's section in that rank's buffer
+    table_bytes: list[int]  # per rank: bytes of the item shape table (list entries)
+
+
+@dataclass
+class Plan:
+    """The decision every rank reaches from the same metadata table."""
+
+    world_size: int
+    entries: list[EntryPlan]
+    nbytes: list[int]  # per rank: used bytes of its buffer
+    all_synced: bool
+    any_synced: bool
+
+    @property
+    def max_bytes(self) -> int:
+        """Transfer size per rank: the largest buffer, so equal-size transports need no more padding."""
+        return max(self.nbytes)
+
+
+def make_plan(table: list[list[int]], what: str) -> Plan:
+    """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike."""
+    world = len(table)
+    _check_headers(table, what)
+    n_entries = table[0][H_N]
+    entries: list[EntryPlan] = []
+    nbytes = [0] * world
+    for index in range(n_entries):
+        base = HEADER_LEN + index * ENTRY_LEN
+        slots = [row[base : base + ENTRY_LEN] for row in table]
+        plan = _plan_entry(slots, index, table, what)
+        for rank in range(world):
+            plan.offsets.append(nbytes[rank])
+            section = plan.table_bytes[rank]
+            if plan.dtype is not None:
+                section += _align(plan.numels[rank] * plan.dtype.itemsize)
+            nbytes[rank] += section
+        entries.append(plan)
+    synced = [bool(row[H_SYNCED]) for row in table]
+    return Plan(world, entries, nbytes, all(synced), any(synced))
+
+
+def _rank_lines(table: list[list[int]], entry: int | None = None) -> str:
+    lines = []
+    for rank, row in enumerate(table):
+        text = f"  rank {rank}: {_decode_label(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
+        if entry is not None and entry < row[H_N]:
+            slot = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
+            if slot[E_KIND] == KIND_LIST:
+                text += f", list of {slot[E_ITEMS]} tensors, {slot[E_NUMEL]} elements, dtype={dtype_name(slot[E_DTYPE])}"
+            elif slot[E_KIND] == KIND_TENSOR:
+                shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
+                text += f", shape={shape}, dtype={dtype_name(slot[E_DTYPE])}"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def _check_headers(table: list[list[int]], what: str) -> None:
+    if any(row[H_MAGIC] != MAGIC for row in table):
+        bad = [rank for rank, row in enumerate(table) if row[H_MAGIC] != MAGIC]
+        raise SyncMismatchError(
+            f"{what}: ranks {bad} are not running the torchmetrics_varlen sync protocol (version {MAGIC & 0xFFFF}) at"
+            " this point. Every rank must call the same sync in the same order; mixing torchmetrics_varlen versions or"
+            " stock collectives at the same step is not supported."
+        )
+    if len({(row[H_CONTEXT], row[H_N]) for row in table}) > 1:
+        raise SyncMismatchError(
+            f"{what}: ranks are syncing different things at the same time (different metric, state layout, or phase:"
+            " per-step sync vs epoch compute). Every rank must sync the same metrics in the same order.\n"
+            + _rank_lines(table)
+        )
+    for rank, row in enumerate(table):
+        if row[H_ERROR] != ERR_NONE:
+            raise SyncMismatchError(
+                f"{what}: rank {rank} holds {_ERROR_TEXT.get(row[H_ERROR], 'an unsupported value')} in entry"
+                f" {row[H_ERROR_ENTRY]}; it cannot be synced.\n" + _rank_lines(table, row[H_ERROR_ENTRY])
+            )
+
+
+def _plan_entry(slots: list[list[int]], index: int, table: list[list[int]], what: str) -> EntryPlan:
+    kinds = {slot[E_KIND] for slot in slots}
+    if len(kinds) > 1:
+        raise SyncMismatchError(
+            f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + _rank_lines(table, index)
+        )
+    kind = kinds.pop()
+    nonempty = [slot for slot in slots if slot[E_NUMEL] > 0]
+    dtype_codes = {slot[E_DTYPE] for slot in nonempty} or {slot[E_DTYPE] for slot in slots if slot[E_DTYPE]}
+    if len(dtype_codes) > 1:
+        raise SyncMismatchError(
+            f"{what}: expected entry {index} to have one dtype on every rank that holds data, but got"
+            f" {sorted(dtype_name(c) for c in dtype_codes)}. Cast the state to one dtype on every rank.\n"
+            + _rank_lines(table, index)
+        )
+    shapes = [tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]]) for slot in slots]
+    empty_shape = None
+    if kind == KIND_TENSOR and nonempty:
+        # A 0-d tensor counts as a 1-d tensor of one element: a one-item `cat` list arrives 0-d, a longer one 1-d.
+        ndims = {max(slot[E_NDIM], 1) for slot in nonempty}
+        if len(ndims) > 1:
+            raise SyncMismatchError(
+                f"{what}: expected entry {index} to have the same number of dimensions on every rank that holds"
+                f" data, but got {sorted(ndims)}.\n" + _rank_lines(table, index)
+            )
+        first = nonempty[0]
+        empty_shape = (0, *first[E_DIMS + 1 : E_DIMS + first[E_NDIM]])
+    return EntryPlan(
+        kind=kind,
+        dtype=_DTYPES[dtype_codes.pop() - 1] if dtype_codes else None,
+        numels=[slot[E_NUMEL] for slot in slots],
+        items=[slot[E_ITEMS] for slot in slots],
+        shapes=shapes,
+        empty_shape=empty_shape,
+        offsets=[],
+        table_bytes=[_align(slot[E_ITEMS] * (1 + MAX_NDIM) * 8) if kind == KIND_LIST else 0 for slot in slots],
+    )
+
+
+def pack(entries: Sequence[Entry], plan: Plan, rank: int, device: torch.device) -> Tensor:
+    """Copy this rank's entries into one ``uint8`` buffer of the transfer size (``plan.max_bytes``)."""
+    buffer = torch.empty(plan.max_bytes, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        for entry, eplan in zip(entries, plan.entries):
+            offset = eplan.offsets[rank]
+            items = [entry] if isinstance(entry, Tensor) else entry
+            if eplan.kind == KIND_LIST:
+                shape_table = [slot for item in items for slot in _shape_slots(item.shape)]
+                table_view = buffer[offset : offset + len(shape_table) * 8].view(torch.int64)
+                table_view.copy_(torch.tensor(shape_table, dtype=torch.int64))
+                offset += eplan.table_bytes[rank]
+            if eplan.dtype is None:
+                continue
+            for item in items:
+                nbytes = item.numel() * eplan.dtype.itemsize
+                if nbytes:
+                    buffer[offset : offset + nbytes].view(eplan.dtype).view(item.shape).copy_(item)
+                    offset += nbytes
+    return buffer
+
+
+def unpack(rows: Sequence[Tensor], plan: Plan, devices: Sequence[torch.device]) -> list[list[Entry]]:
+    """Cut every rank's entries out of the gathered buffers: ``result[entry][rank]`` with true shape and dtype."""
+    result: list[list[Entry]] = []
+    for eplan, device in zip(plan.entries, devices):
+        per_rank: list[Entry] = []
+        for rank in range(plan.world_size):
+            row = rows[rank] if rows else torch.empty(0, dtype=torch.uint8)
+            if eplan.kind == KIND_TENSOR:
+                per_rank.append(_unpack_tensor(row, eplan, rank, device))
+            else:
+                per_rank.append(_unpack_list(row, eplan, rank, device))
+        result.append(per_rank)
+    return result
+
+
+def _section(row: Tensor, dtype: torch.dtype, start: int, numel: int) -> Tensor:
+    return row[start : start + numel * dtype.itemsize].view(dtype)
+
+
+def _unpack_tensor(row: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> Tensor:
+    if eplan.numels[rank] == 0:
+        shape = eplan.empty_shape if eplan.empty_shape is not None else eplan.shapes[rank]
+        dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
+        return torch.empty(shape, dtype=dtype, device=device)
+    assert eplan.dtype is not None  # a rank with data has a dtype
+    data = _section(row, eplan.dtype, eplan.offsets[rank], eplan.numels[rank]).view(eplan.shapes[rank])
+    return data.to(device)
+
+
+def _unpack_list(row: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> list[Tensor]:
+    count = eplan.items[rank]
+    if count == 0:
+        return []
+    offset = eplan.offsets[rank]
+    table = row[offset : offset + count * (1 + MAX_NDIM) * 8].view(torch.int64).view(count, 1 + MAX_NDIM).tolist()
+    dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
+    data = None
+    if eplan.dtype is not None:
+        data = _section(row, eplan.dtype, offset + eplan.table_bytes[rank], eplan.numels[rank])
+    items, start = [], 0
+    for slots in table:
+        shape = tuple(slots[1 : 1 + slots[0]])
+        numel = 1
+        for size in shape:
+            numel *= size
+        if data is None or numel == 0:
+            items.append(torch.empty(shape, dtype=dtype, device=device))
+        else:
+            items.append(data[start : start + numel].view(shape).to(device))
+        start += numel
+    return items

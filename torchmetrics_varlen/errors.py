@@ -1,0 +1,37 @@
+"""Errors raised by the sync protocol.
+
+Both errors subclass :class:`RuntimeError`, so code that already catches the errors of ``torch.distributed`` keeps
+working. Both are raised on every rank that takes part in the failing sync, never on one rank alone.
+"""
+
+__all__ = ["SyncMismatchError", "SyncTimeoutError"]
+
+
+class SyncMismatchError(RuntimeError):
+    """The ranks disagree about what they are syncing.
+
+    Raised on every rank, right after the metadata exchange and before any data moves, when the ranks hold tensors
+    that cannot be gathered together (different dtype or number of dimensions), sync different metrics or state
+    layouts, or are in different phases (one in a per-step sync, another in an epoch ``compute()``). The message has
+    one line per rank saying what that rank held.
+
+    Example:
+        >>> from torchmetrics_varlen import SyncMismatchError
+        >>> issubclass(SyncMismatchError, RuntimeError)
+        True
+    """
+
+
+class SyncTimeoutError(RuntimeError):
+    """Some ranks did not arrive at a sync within the sync timeout.
+
+    Raised on the ranks that did arrive. The message names the missing ranks where the backend can tell, and the usual
+    causes: ranks that run different numbers of steps, or ``compute()`` / ``self.log`` called on rank 0 only. After this
+    error the process group still has a pending collective and cannot be trusted: end the job, or let the late ranks
+    arrive.
+
+    Example:
+        >>> from torchmetrics_varlen import SyncTimeoutError
+        >>> issubclass(SyncTimeoutError, RuntimeError)
+        True
+    """

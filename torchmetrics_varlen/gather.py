@@ -1,0 +1,121 @@
+"""A varlen-safe ``gather_all_tensors``: the ``dist_sync_fn`` hook for any torchmetrics metric."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchmetrics_varlen import _protocol, _transport
+from torchmetrics_varlen._protocol import Entry, Plan
+
+__all__ = ["gather_all_tensors"]
+
+_HOOK_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors")
+
+
+def exchange_entries(
+    entries: Sequence[Entry],
+    group: Any,
+    *,
+    context: int,
+    label: str,
+    timeout: float | None = None,
+    synced: bool = False,
+) -> tuple[Plan, list[list[Entry]]]:
+    """Run the protocol on a list of entries: at most two collectives, whatever the entries hold.
+
+    Returns the plan every rank agreed on and ``result[entry][rank]``. The caller must have checked that a sync is
+    needed (``_transport.world_of(group)`` is not None). When every rank reports ``synced``, or nobody holds any
+    bytes, the data exchange is skipped on every rank alike.
+    """
+    world = _transport.world_of(group)
+    assert world is not None
+    rank, _ = world
+    like = next((e.device for e in _iter_tensors(entries)), torch.device("cpu"))
+    device = _transport.transport_device(group, like)
+    what = f"sync of {label}"
+    record = _protocol.describe(entries, context, label, synced)
+    table = _transport.exchange_metadata(record, group, device, timeout, what)
+    plan = _protocol.make_plan(table, what)
+    if plan.all_synced or plan.max_bytes == 0:
+        rows: list[Tensor] = []
+    else:
+        buffer = _protocol.pack(entries, plan, rank, device)
+        rows = _transport.exchange_payload(buffer, plan.nbytes, group)
+    devices = [_entry_device(entry, like) for entry in entries]
+    return plan, _protocol.unpack(rows, plan, devices)
+
+
+def _iter_tensors(entries: Sequence[Entry]) -> list[Tensor]:
+    out: list[Tensor] = []
+    for entry in entries:
+        out.extend([entry] if isinstance(entry, Tensor) else [t for t in entry if isinstance(t, Tensor)])
+    return out
+
+
+def _entry_device(entry: Entry, default: torch.device) -> torch.device:
+    if isinstance(entry, Tensor):
+        return entry.device
+    return entry[0].device if entry and isinstance(entry[0], Tensor) else default
+
+
+def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: bool = False) -> list[Tensor]:
+    """Gather a tensor from every rank, whatever its shape on each rank; a drop-in for torchmetrics' function.
+
+    Pass it as ``dist_sync_fn`` to any torchmetrics metric. It costs one fixed-size metadata exchange and one data
+    exchange (none at all without a process group or in a group of one), never a barrier.
+
+    * Shapes may differ along any dimension between ranks, 0-d and zero-size tensors included.
+    * A rank without data (any zero-element tensor, such as the ``torch.tensor([])`` that torchmetrics sends for an
+      empty ``cat`` list) gets an empty tensor with the dtype and trailing shape of the ranks that have data.
+    * Ranks whose non-empty tensors differ in dtype or number of dimensions raise
+      :class:`~torchmetrics_varlen.SyncMismatchError` together, with each rank's shape and dtype in the message.
+      A 0-d tensor is accepted beside 1-d ones (a one-element ``cat`` list arrives 0-d).
+    * Element ``rank`` of the result is ``result`` itself, so its autograd graph (rank-local) is kept; the other
+      elements carry no graph. With ``sync_grads=True`` every element is differentiable and the backward pass sends
+      each rank the gradient of its own samples, summed over all ranks (see the "Metrics as losses" docs page).
+
+    Args:
+        result: this rank's tensor.
+        group: the process group to gather over; the default group when None.
+        sync_grads: make the gather differentiable across ranks (every rank must then run the backward pass).
+
+    Returns:
+        One tensor per rank of ``group``: element i is rank i's tensor with its true shape and dtype.
+
+    Example:
+        Without a process group the tensor comes back alone, untouched:
+
+        >>> import torch
+        >>> from torchmetrics_varlen import gather_all_tensors
+        >>> x = torch.tensor([1.0, 2.0])
+        >>> gathered = gather_all_tensors(x)
+        >>> len(gathered), gathered[0] is x
+        (1, True)
+
+        As a hook on a stock metric:
+
+        >>> from torchmetrics.classification import BinaryAUROC
+        >>> metric = BinaryAUROC(dist_sync_fn=gather_all_tensors)
+        >>> metric.update(torch.tensor([0.1, 0.8, 0.6]), torch.tensor([0, 1, 0]))
+        >>> metric.compute()
+        tensor(1.)
+    """
+    if not isinstance(result, Tensor):
+        raise TypeError(f"Expected `result` to be a torch.Tensor but got {type(result).__name__}")
+    world = _transport.world_of(group)
+    if world is None:
+        return [result]
+    if sync_grads:
+        from torchmetrics_varlen._autograd import differentiable_gather
+
+        return differentiable_gather(result, group)
+    rank, _ = world
+    _, gathered = exchange_entries(
+        [result], group, context=_HOOK_CONTEXT, label="gather_all_tensors", timeout=_transport.default_timeout()
+    )
+    per_rank: list[Tensor] = [t for t in gathered[0] if isinstance(t, Tensor)]
+    if result.numel() > 0:
+        per_rank[rank] = result  # the caller's own object: its autograd graph stays intact
+    return per_rank
