@@ -90,11 +90,11 @@ def body_stock_metric(rank, world_size, name, scenario, batch=4):
         # No data anywhere: the reference metric sees no update at all.
         try:
             expected = reference.compute()
-        except Exception as err:  # noqa: BLE001 - the single-process behaviour on no data is the reference
+        except Exception as err:  # the single-process behaviour on no data is the reference
             expected = type(err).__name__
         try:
             got = metric.compute()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  #
             got = type(err).__name__
         return {"got": got, "expected": expected}
 
@@ -123,8 +123,8 @@ def test_stock_metric_with_hook_equals_single_process(world_size, scenario, name
 @pytest.mark.parametrize("name", ["MeanMetric", "SumMetric", "CatMetric", "PairCollector"])
 def test_all_ranks_empty_does_not_abort(world_size, name):
     # Tensor-state metrics must equal the single-process value on no data. For `cat` lists the hook returns empty
-    # tensors; stock `_sync_dist` then stacks them, so only the element count can be compared (torchmetrics_varlen.Metric
-    # restores the exact single-process result, see test_metric.py).
+    # tensors; stock `_sync_dist` then stacks them, so only the element count can be compared
+    # (torchmetrics_varlen.Metric restores the exact single-process result, see test_metric.py).
     for result in run_distributed(body_stock_metric, world_size, name, "all_empty"):
         if name in ("MeanMetric", "SumMetric"):
             _assert_same(result["got"], result["expected"])

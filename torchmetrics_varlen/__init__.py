@@ -1,13 +1,18 @@
 """torchmetrics-varlen: exact, hang-free, differentiable distributed TorchMetrics on uneven data."""
 
+from torchmetrics_varlen.collection import MetricCollection
 from torchmetrics_varlen.errors import SyncMismatchError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
+from torchmetrics_varlen.metric import Metric, rebase
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Metric",
+    "MetricCollection",
     "SyncMismatchError",
     "SyncTimeoutError",
     "__version__",
     "gather_all_tensors",
+    "rebase",
 ]

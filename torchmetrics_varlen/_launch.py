@@ -28,9 +28,19 @@ class WorkerError(RuntimeError):
 
 
 def _worker_main(
-    rank: int, world_size: int, init_file: str, pg_timeout: float, inbox: Any, outbox: Any, env: dict[str, str]
+    rank: int,
+    world_size: int,
+    init_file: str,
+    pg_timeout: float,
+    inbox: Any,
+    outbox: Any,
+    env: dict[str, str],
+    log_file: str | None,
 ) -> None:
     os.environ.update(env)
+    if log_file is not None:  # keep a crashing library's noise out of the parent's output; the parent shows the tail
+        fd = os.open(f"{log_file}.{rank}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
     import torch
     import torch.distributed as dist
 
@@ -49,7 +59,7 @@ def _worker_main(
         fn, args, kwargs = job
         try:
             outbox.put((rank, True, fn(rank, world_size, *args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - every failure must reach the parent as text
+        except BaseException:  # every failure must reach the parent as text
             outbox.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
@@ -61,9 +71,12 @@ class WorkerPool:
         world_size: number of ranks.
         pg_timeout: timeout of the process group, in seconds (collectives that wait longer raise).
         env: extra environment variables for the workers.
+        quiet: send the workers' stderr to a log file; its tail is shown when a job fails.
     """
 
-    def __init__(self, world_size: int, pg_timeout: float = 60.0, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, world_size: int, pg_timeout: float = 60.0, env: dict[str, str] | None = None, quiet: bool = False
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"Expected `world_size` to be at least 1 but got {world_size}")
         self.world_size = world_size
@@ -72,10 +85,11 @@ class WorkerPool:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
         init_file = os.path.join(self._tmpdir, "rendezvous")
+        self._log_file = log = os.path.join(self._tmpdir, "stderr") if quiet else None
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(rank, world_size, init_file, pg_timeout, self._inboxes[rank], self._outbox, env or {}),
+                args=(rank, world_size, init_file, pg_timeout, self._inboxes[rank], self._outbox, env or {}, log),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -114,6 +128,7 @@ class WorkerPool:
             (results if ok else failures)[rank] = value
         if failures or len(results) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+            failures = {rank: text + self._log_tail(rank) for rank, text in failures.items()}
             self.close()
             parts = [f"{name} failed on {self.world_size} rank(s)"]
             if missing:
@@ -121,6 +136,13 @@ class WorkerPool:
             parts += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())]
             raise WorkerError("\n".join(parts))
         return [results[rank] for rank in range(self.world_size)]
+
+    def _log_tail(self, rank: int, lines: int = 5) -> str:
+        if self._log_file is None or not os.path.exists(f"{self._log_file}.{rank}"):
+            return ""
+        with open(f"{self._log_file}.{rank}", errors="replace") as log:
+            tail = log.read().splitlines()[-lines:]
+        return "\n[stderr] " + "\n[stderr] ".join(tail) if tail else ""
 
     def close(self) -> None:
         """Stop the workers (politely if idle, by force otherwise) and remove the rendezvous directory."""

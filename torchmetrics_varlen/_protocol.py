@@ -18,14 +18,22 @@ No rank branches on its local data before step 3, so no rank can skip a collecti
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 from torch import Tensor
 
 from torchmetrics_varlen.errors import SyncMismatchError
 
-Entry = Union[Tensor, list[Tensor]]
+
+class Ref:
+    """An entry that is the same object as an earlier entry (a state shared by a compute group): sent once."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+Entry = Tensor | list[Tensor]
+LocalEntry = Tensor | list[Tensor] | Ref
 
 MAGIC = 0x746D_766C_0001  # "tmvl", protocol version 1
 MAX_NDIM = 6
@@ -40,7 +48,10 @@ HEADER_LEN = H_ERROR_ENTRY + 1
 E_KIND, E_DTYPE, E_NUMEL, E_ITEMS, E_NDIM, E_DIMS = 0, 1, 2, 3, 4, 5
 ENTRY_LEN = 5 + MAX_NDIM
 
-KIND_TENSOR, KIND_LIST = 1, 2
+KIND_TENSOR, KIND_LIST, KIND_REF = 1, 2, 3
+# Entry slots a record always has room for, so that records are equal in size on every rank whatever each holds.
+# Syncs of more entries take one more metadata exchange, sized from the first one's headers.
+RECORD_SLOTS = 128
 
 # Local problems found by ``describe``; reported through the record so that every rank raises together.
 ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT = 0, 1, 2, 3, 4
@@ -88,17 +99,22 @@ def _shape_slots(shape: Sequence[int]) -> list[int]:
     return [len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
 
 
-def describe(entries: Sequence[Entry], context: int, label: str, synced: bool = False) -> list[int]:
-    """Build this rank's fixed-size metadata record (header plus one slot per entry)."""
+def describe(entries: Sequence[LocalEntry], context: int, label: str, synced: bool = False) -> list[int]:
+    """Build this rank's metadata record: a header plus one slot per entry (callers pad it to a fixed size)."""
     error, error_entry = ERR_NONE, -1
     slots: list[int] = []
     for index, entry in enumerate(entries):
         slot = [0] * ENTRY_LEN
+        if isinstance(entry, Ref):
+            slot[E_KIND], slot[E_ITEMS] = KIND_REF, entry.index
+            slots.extend(slot)
+            continue
         problem = _entry_problem(entry)
         if problem != ERR_NONE and error == ERR_NONE:
             error, error_entry = problem, index
         if problem == ERR_NONE and isinstance(entry, Tensor):
-            slot[E_KIND], slot[E_DTYPE], slot[E_NUMEL], slot[E_ITEMS] = KIND_TENSOR, _DTYPE_CODE[entry.dtype], entry.numel(), 1
+            slot[E_KIND], slot[E_DTYPE] = KIND_TENSOR, _DTYPE_CODE[entry.dtype]
+            slot[E_NUMEL], slot[E_ITEMS] = entry.numel(), 1
             slot[E_NDIM : E_NDIM + 1 + MAX_NDIM] = _shape_slots(entry.shape)
         elif problem == ERR_NONE:
             nonempty = [t for t in entry if t.numel() > 0]
@@ -135,6 +151,7 @@ class EntryPlan:
     empty_shape: tuple[int, ...] | None  # shape an empty rank takes: (0, *trailing dims of the first non-empty rank)
     offsets: list[int]  # per rank: byte offset of this entry's section in that rank's buffer
     table_bytes: list[int]  # per rank: bytes of the item shape table (list entries)
+    refs: list[int]  # per rank: index of the earlier entry this one repeats, or -1
 
 
 @dataclass
@@ -182,7 +199,8 @@ def _rank_lines(table: list[list[int]], entry: int | None = None) -> str:
         if entry is not None and entry < row[H_N]:
             slot = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
             if slot[E_KIND] == KIND_LIST:
-                text += f", list of {slot[E_ITEMS]} tensors, {slot[E_NUMEL]} elements, dtype={dtype_name(slot[E_DTYPE])}"
+                items, numel = slot[E_ITEMS], slot[E_NUMEL]
+                text += f", list of {items} tensors, {numel} elements, dtype={dtype_name(slot[E_DTYPE])}"
             elif slot[E_KIND] == KIND_TENSOR:
                 shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
                 text += f", shape={shape}, dtype={dtype_name(slot[E_DTYPE])}"
@@ -213,12 +231,16 @@ def _check_headers(table: list[list[int]], what: str) -> None:
 
 
 def _plan_entry(slots: list[list[int]], index: int, table: list[list[int]], what: str) -> EntryPlan:
-    kinds = {slot[E_KIND] for slot in slots}
+    refs = [slot[E_ITEMS] if slot[E_KIND] == KIND_REF else -1 for slot in slots]
+    if any(ref >= index for ref in refs):
+        raise SyncMismatchError(f"{what}: entry {index} refers to a later entry; this is a torchmetrics_varlen bug.")
+    slots = [slot if slot[E_KIND] != KIND_REF else [0] * ENTRY_LEN for slot in slots]
+    kinds = {slot[E_KIND] for slot in slots} - {0}
     if len(kinds) > 1:
         raise SyncMismatchError(
             f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + _rank_lines(table, index)
         )
-    kind = kinds.pop()
+    kind = kinds.pop() if kinds else KIND_REF
     nonempty = [slot for slot in slots if slot[E_NUMEL] > 0]
     dtype_codes = {slot[E_DTYPE] for slot in nonempty} or {slot[E_DTYPE] for slot in slots if slot[E_DTYPE]}
     if len(dtype_codes) > 1:
@@ -248,14 +270,17 @@ def _plan_entry(slots: list[list[int]], index: int, table: list[list[int]], what
         empty_shape=empty_shape,
         offsets=[],
         table_bytes=[_align(slot[E_ITEMS] * (1 + MAX_NDIM) * 8) if kind == KIND_LIST else 0 for slot in slots],
+        refs=refs,
     )
 
 
-def pack(entries: Sequence[Entry], plan: Plan, rank: int, device: torch.device) -> Tensor:
+def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.device) -> Tensor:
     """Copy this rank's entries into one ``uint8`` buffer of the transfer size (``plan.max_bytes``)."""
     buffer = torch.empty(plan.max_bytes, dtype=torch.uint8, device=device)
     with torch.no_grad():
         for entry, eplan in zip(entries, plan.entries):
+            if isinstance(entry, Ref):
+                continue
             offset = eplan.offsets[rank]
             items = [entry] if isinstance(entry, Tensor) else entry
             if eplan.kind == KIND_LIST:
@@ -276,11 +301,13 @@ def pack(entries: Sequence[Entry], plan: Plan, rank: int, device: torch.device) 
 def unpack(rows: Sequence[Tensor], plan: Plan, devices: Sequence[torch.device]) -> list[list[Entry]]:
     """Cut every rank's entries out of the gathered buffers: ``result[entry][rank]`` with true shape and dtype."""
     result: list[list[Entry]] = []
-    for eplan, device in zip(plan.entries, devices):
+    for eplan, device in zip(plan.entries, devices, strict=True):
         per_rank: list[Entry] = []
         for rank in range(plan.world_size):
             row = rows[rank] if rows else torch.empty(0, dtype=torch.uint8)
-            if eplan.kind == KIND_TENSOR:
+            if eplan.refs[rank] >= 0:
+                per_rank.append(result[eplan.refs[rank]][rank])
+            elif eplan.kind == KIND_TENSOR:
                 per_rank.append(_unpack_tensor(row, eplan, rank, device))
             else:
                 per_rank.append(_unpack_list(row, eplan, rank, device))

@@ -2,8 +2,8 @@
 
 What runs where:
 
-* gloo (CPU): tested here. Buffers live on the CPU; each exchange is one ``all_gather_single`` (``all_gather_into_tensor``
-  before torch 2.13) of equal-size buffers, the smaller ones padded up to the largest.
+* gloo (CPU): tested here. Buffers live on the CPU; each exchange is one ``all_gather_single``
+  (``all_gather_into_tensor`` before torch 2.13) of equal-size buffers, the smaller ones padded up to the largest.
 * NCCL (CUDA): not runnable on the machines this package is tested on. Buffers live on the current CUDA device (CPU
   states, for example with ``compute_on_cpu=True``, are moved there for the transfer and back afterwards), and the data
   exchange uses NCCL's list ``all_gather``, which accepts unequal sizes, so nothing is padded.
@@ -25,6 +25,7 @@ from torchmetrics_varlen.errors import SyncTimeoutError
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
 
 TIMEOUT_ENV = "TORCHMETRICS_VARLEN_SYNC_TIMEOUT"
+DEFAULT_SYNC_TIMEOUT = 300.0
 
 
 def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
@@ -52,10 +53,10 @@ def transport_device(group: ProcessGroup | None, like: torch.device) -> torch.de
 
 
 def default_timeout() -> float | None:
-    """The sync timeout in seconds from ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` (unset, empty or 0: the group's own)."""
+    """Sync timeout in seconds: ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` if set (0: only the group's own), else 300."""
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
-        return None
+        return DEFAULT_SYNC_TIMEOUT
     try:
         value = float(raw)
     except ValueError as err:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from torchmetrics_varlen import _protocol, _transport
-from torchmetrics_varlen._protocol import Entry, Plan
+from torchmetrics_varlen._protocol import Entry, LocalEntry, Plan
 
 __all__ = ["gather_all_tensors"]
 
@@ -15,7 +15,7 @@ _HOOK_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors")
 
 
 def exchange_entries(
-    entries: Sequence[Entry],
+    entries: Sequence[LocalEntry],
     group: Any,
     *,
     context: int,
@@ -36,9 +36,11 @@ def exchange_entries(
     device = _transport.transport_device(group, like)
     what = f"sync of {label}"
     record = _protocol.describe(entries, context, label, synced)
-    table = _transport.exchange_metadata(record, group, device, timeout, what)
+    table = _exchange_records(record, group, device, timeout, what)
     plan = _protocol.make_plan(table, what)
-    if plan.all_synced or plan.max_bytes == 0:
+    if plan.all_synced:
+        return plan, []
+    if plan.max_bytes == 0:
         rows: list[Tensor] = []
     else:
         buffer = _protocol.pack(entries, plan, rank, device)
@@ -47,17 +49,39 @@ def exchange_entries(
     return plan, _protocol.unpack(rows, plan, devices)
 
 
-def _iter_tensors(entries: Sequence[Entry]) -> list[Tensor]:
+def _exchange_records(
+    record: list[int], group: Any, device: torch.device, timeout: float | None, what: str
+) -> list[list[int]]:
+    """Exchange records of one size on every rank, whatever each holds: a mismatch must be an error, not an abort."""
+    fixed = _protocol.HEADER_LEN + _protocol.RECORD_SLOTS * _protocol.ENTRY_LEN
+    table = _transport.exchange_metadata(_pad(record, fixed), group, device, timeout, what)
+    longest = max(row[_protocol.H_N] for row in table)
+    if longest > _protocol.RECORD_SLOTS:  # decided from the headers, so every rank takes this branch together
+        full = _protocol.HEADER_LEN + longest * _protocol.ENTRY_LEN
+        table = _transport.exchange_metadata(_pad(record, full), group, device, timeout, what)
+    return table
+
+
+def _pad(record: list[int], length: int) -> list[int]:
+    return record[:length] + [0] * (length - len(record))
+
+
+def _iter_tensors(entries: Sequence[LocalEntry]) -> list[Tensor]:
     out: list[Tensor] = []
     for entry in entries:
-        out.extend([entry] if isinstance(entry, Tensor) else [t for t in entry if isinstance(t, Tensor)])
+        if isinstance(entry, Tensor):
+            out.append(entry)
+        elif isinstance(entry, list):
+            out.extend(t for t in entry if isinstance(t, Tensor))
     return out
 
 
-def _entry_device(entry: Entry, default: torch.device) -> torch.device:
+def _entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
     if isinstance(entry, Tensor):
         return entry.device
-    return entry[0].device if entry and isinstance(entry[0], Tensor) else default
+    if isinstance(entry, list) and entry and isinstance(entry[0], Tensor):
+        return entry[0].device
+    return default
 
 
 def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: bool = False) -> list[Tensor]:

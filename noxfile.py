@@ -1,0 +1,72 @@
+"""Developer sessions: ``python -m nox -s tests`` (the CI test command), lint, typecheck, docs, demo, bench, compat."""
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))  # pins torch to the CPU wheel on disk
+OLDEST_TORCHMETRICS = "1.3.0"
+
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.default_venv_backend = "venv"
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    session.install(*CONSTRAINTS, *args)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test-suite (spawned gloo CPU ranks) and the doctests."""
+    _install(session, "-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff on everything."""
+    session.install("ruff>=0.5")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on the package."""
+    _install(session, "-e", ".", "mypy>=1.8")
+    session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Sphinx site, warnings as errors."""
+    _install(session, "-e", ".[docs]")
+    session.run("sphinx-build", "-W", "--keep-going", "-b", "html", "docs", "docs/_build/html")
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Field report 1 replayed: naive vs stock torchmetrics vs torchmetrics_varlen."""
+    _install(session, ".")
+    session.run("python", "-m", "torchmetrics_varlen", "demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Stock torchmetrics vs torchmetrics_varlen, side by side in one run."""
+    _install(session, ".[bench]")
+    session.run(
+        "python", "-m", "torchmetrics_varlen", "bench", "--json", "bench.json", "--plot", "docs/_static/bench.png",
+        *session.posargs,
+    )
+
+
+@nox.session
+@nox.parametrize("torchmetrics", [OLDEST_TORCHMETRICS, "latest"])
+def compat(session: nox.Session, torchmetrics: str) -> None:
+    """The test-suite against the oldest supported and the newest torchmetrics."""
+    _install(session, "-e", ".[test]")
+    spec = "torchmetrics" if torchmetrics == "latest" else f"torchmetrics=={torchmetrics}"
+    _install(session, "--upgrade" if torchmetrics == "latest" else "--force-reinstall", spec)
+    session.run("python", "-c", "import torchmetrics; print('torchmetrics', torchmetrics.__version__)")
+    session.run("python", "-m", "pytest", "-q", "-x", *session.posargs)

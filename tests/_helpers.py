@@ -1,0 +1,94 @@
+"""Helpers shared by test bodies (imported inside spawned ranks)."""
+
+import contextlib
+import warnings
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce_scatter",
+    "monitored_barrier",
+)
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count calls of torch.distributed collectives made while the block runs (calls nested inside others once)."""
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    depth = [0]
+
+    def wrap(name, fn):
+        def wrapper(*args, **kwargs):
+            if depth[0] == 0:
+                counts[name] += 1
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def split(sizes, rank):
+    """This rank's slice of data laid out rank after rank."""
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def quiet_compute(metric):
+    """compute() with torchmetrics' 'compute before update' warning silenced (empty ranks are the point here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return metric.compute()
+
+
+def outcome(fn):
+    """The value of fn(), or the name of the exception it raised (the single-process reference may raise too)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    except Exception as err:  # comparing behaviour, including errors, with one process
+        return type(err).__name__
+
+
+def assert_same(got, expected, exact=False):
+    """Equal values (tensors, dicts, lists, or error names) with equal dtypes and shapes."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and got.keys() == expected.keys(), (got, expected)
+        for key in expected:
+            assert_same(got[key], expected[key], exact)
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), (got, expected)
+        for g, e in zip(got, expected):
+            assert_same(g, e, exact)
+    elif isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor), (got, expected)
+        assert got.dtype == expected.dtype and got.shape == expected.shape, (got, expected)
+        if exact:
+            assert torch.equal(got, expected) or (got.isnan() == expected.isnan()).all(), (got, expected)
+        else:
+            torch.testing.assert_close(got, expected, equal_nan=True, rtol=1e-5, atol=1e-6)
+    else:
+        assert got == expected, (got, expected)

@@ -1,0 +1,32 @@
+"""Command line: ``python -m torchmetrics_varlen demo|bench`` (also the ``torchmetrics-varlen`` script)."""
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the demo or the benchmark."""
+    parser = argparse.ArgumentParser(prog="torchmetrics-varlen", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="replay field report 1: stock vs naive vs torchmetrics_varlen")
+    demo.add_argument("--world-size", type=int, default=4, help="gloo CPU processes to spawn (default 4)")
+    bench = commands.add_parser("bench", help="stock torchmetrics vs torchmetrics_varlen sync cost, side by side")
+    bench.add_argument("--world-size", type=int, default=2, help="gloo CPU processes to spawn (default 2)")
+    bench.add_argument("--repeats", type=int, default=15, help="syncs per case; the median is reported")
+    bench.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    bench.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot (needs matplotlib)")
+    bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    args = parser.parse_args(argv)
+    if args.world_size < 1:
+        parser.error(f"Expected `--world-size` to be at least 1 but got {args.world_size}")
+    if args.command == "demo":
+        from torchmetrics_varlen.demo import main as demo_main
+
+        return demo_main(args.world_size)
+    from torchmetrics_varlen.bench import main as bench_main
+
+    return bench_main(args.world_size, args.repeats, args.json_path, args.plot_path, args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Coalesced sync of metric states: every state of every metric in one metadata and one data exchange.
+
+Used by :class:`torchmetrics_varlen.Metric` (one metric) and :class:`torchmetrics_varlen.MetricCollection` (all
+members at once). The reductions reproduce what stock ``torchmetrics.Metric._sync_dist`` does with the gathered
+states, except that uneven shapes and empty ranks work: ``cat`` concatenates whatever each rank holds, a rank without
+data contributes nothing, and a ``cat`` list that is empty on every rank stays ``[]`` as on one process.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric as StockMetric
+from torchmetrics.utilities.data import dim_zero_cat
+
+from torchmetrics_varlen import _protocol, _transport
+from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
+from torchmetrics_varlen.errors import SyncMismatchError
+from torchmetrics_varlen.gather import exchange_entries
+
+StateDict = dict[str, Any]
+
+
+def state_names(metric: StockMetric) -> list[str]:
+    """The metric's synced states, in registration order (the private ``_reductions`` of torchmetrics)."""
+    return list(metric._reductions)
+
+
+def _reduction_name(fn: Any) -> str:
+    return "None" if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def layout_text(metrics: Sequence[StockMetric], phase: str) -> str:
+    """What is being synced, as text equal on every rank that syncs the same thing (hashed into the record)."""
+    parts = [phase]
+    for metric in metrics:
+        states = ",".join(f"{n}:{_reduction_name(metric._reductions[n])}" for n in state_names(metric))
+        parts.append(f"{type(metric).__qualname__}({states})")
+    return "|".join(parts)
+
+
+def _entry(value: Any) -> Entry:
+    if isinstance(value, Tensor):
+        return value
+    return list(value)
+
+
+def sync_states(
+    metrics: Sequence[StockMetric],
+    group: Any,
+    *,
+    phase: str,
+    label: str,
+    timeout: float | None,
+    cached: bool = False,
+) -> list[StateDict] | None:
+    """Gather and reduce the states of ``metrics`` across ``group`` in two collectives.
+
+    Returns one dict of reduced (global) states per metric, or None when every rank reported ``cached`` (then only
+    the metadata was exchanged). The local slot keeps this rank's own tensors, so their autograd graph survives.
+    """
+    world = _transport.world_of(group)
+    assert world is not None
+    rank, _ = world
+    keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
+    values = [getattr(metrics[index], name) for index, name in keys]
+    entries = _entries_sharing_objects(values)
+    context = _protocol.context_hash(layout_text(metrics, phase))
+    plan, gathered = exchange_entries(entries, group, context=context, label=label, timeout=timeout, synced=cached)
+    if plan.all_synced:
+        return None
+    out: list[StateDict] = [{} for _ in metrics]
+    reduced: list[Any] = []
+    for position, ((index, name), local, per_rank) in enumerate(zip(keys, entries, gathered)):
+        refs = set(plan.entries[position].refs)
+        if len(refs) == 1 and min(refs) >= 0:  # the same shared state on every rank: reduce it once
+            reduced.append(reduced[min(refs)])
+        else:
+            if (isinstance(local, Tensor) and local.numel() > 0) or isinstance(local, list):
+                per_rank[rank] = local  # this rank's own objects: their autograd graph survives
+            metric = metrics[index]
+            reduced.append(reduce_state(per_rank, metric._reductions[name], f"{type(metric).__name__}.{name}"))
+        out[index][name] = reduced[-1]
+    return out
+
+
+def _entries_sharing_objects(values: list[Any]) -> list[LocalEntry]:
+    """One entry per state; a state that is the very object of an earlier one (a compute group) becomes a Ref."""
+    seen: dict[int, int] = {}
+    entries: list[LocalEntry] = []
+    for position, value in enumerate(values):
+        first = seen.setdefault(id(value), position)
+        entries.append(Ref(first) if first != position else _entry(value))
+    return entries
+
+
+def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
+    """Combine one state's per-rank values the way torchmetrics does after its gather."""
+    if isinstance(per_rank[0], list):
+        flat = [item for items in per_rank for item in items]  # type: ignore[union-attr]
+        if not flat:
+            return []
+        if reduction is dim_zero_cat:
+            return dim_zero_cat(flat)
+        return reduction(flat) if reduction is not None else flat
+    tensors: list[Tensor] = [t for t in per_rank if isinstance(t, Tensor)]
+    if reduction is dim_zero_cat:
+        # Uneven `cat` tensor states: concatenate what each rank holds (stock stacks, which needs equal shapes).
+        return dim_zero_cat([t for t in tensors if t.numel() > 0] or tensors[:1])
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        listing = ", ".join(f"rank {r}: {tuple(t.shape)}" for r, t in enumerate(tensors))
+        raise SyncMismatchError(
+            f"Expected state `{where}` to have the same shape on every rank (its reduction stacks them) but got"
+            f" {listing}. Use dist_reduce_fx='cat' or a list state for data whose size differs between ranks."
+        )
+    stacked = torch.stack(tensors)
+    return reduction(stacked) if reduction is not None else stacked

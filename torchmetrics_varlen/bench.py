@@ -1,0 +1,227 @@
+"""The benchmark: stock torchmetrics and torchmetrics_varlen side by side, in one run, on gloo CPU processes.
+
+Every case is measured in the same worker processes for both sides, as the median of repeated syncs, with the
+collectives per sync counted by wrapping the ``torch.distributed`` functions. Compare ratios, not absolute numbers:
+this machine is shared and noisy.
+"""
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchmetrics_varlen.demo import _CollectiveCounter
+
+Case = dict[str, Any]
+
+
+def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, int]:
+    """Median wall time of ``fn`` in ms, and the collectives one call issues (checked equal on every call)."""
+    times, counts = [], []
+    for _ in range(repeats):
+        dist.barrier()  # start every rank together so the timing is the sync, not the stragglers
+        with _CollectiveCounter() as counter:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000)
+        counts.append(counter.count)
+    return statistics.median(times), max(counts)
+
+
+def _invalidate(collection: Any) -> None:
+    for metric in collection.values(copy_state=False):
+        metric._computed = None  # force a fresh sync on the next compute()
+
+
+def _eight_metrics(kind: str) -> Any:
+    from torchmetrics import MetricCollection as Stock
+    from torchmetrics.classification import (
+        MulticlassAccuracy,
+        MulticlassAUROC,
+        MulticlassF1Score,
+        MulticlassPrecision,
+        MulticlassRecall,
+    )
+    from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef
+
+    from torchmetrics_varlen import MetricCollection
+
+    members = {
+        "acc": MulticlassAccuracy(num_classes=5),
+        "prec": MulticlassPrecision(num_classes=5),
+        "rec": MulticlassRecall(num_classes=5),
+        "f1": MulticlassF1Score(num_classes=5),
+        "auroc": MulticlassAUROC(num_classes=5, thresholds=None),
+        "mse": MeanSquaredError(),
+        "mae": MeanAbsoluteError(),
+        "pearson": PearsonCorrCoef(),
+    }
+    return (Stock if kind == "stock" else MetricCollection)(members)
+
+
+def _feed_eight(collection: Any, rank: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rank)
+    for start in range(0, n, 64):
+        size = min(64, n - start)
+        preds = torch.softmax(torch.randn(size, 5, generator=gen), -1)
+        target = torch.randint(0, 5, (size,), generator=gen)
+        for name, metric in collection.items(keep_base=True, copy_state=False):
+            if name in ("mse", "mae", "pearson"):
+                metric.update(preds[:, 0], target.float() / 4)
+            else:
+                metric.update(preds, target)
+
+
+def _small_metrics(kind: str, count: int) -> Any:
+    from torchmetrics import MetricCollection as Stock
+    from torchmetrics.aggregation import MaxMetric, MeanMetric, MinMetric, SumMetric
+
+    from torchmetrics_varlen import MetricCollection
+
+    kinds = [MeanMetric, SumMetric, MaxMetric, MinMetric]
+    members = {f"m{i}": kinds[i % len(kinds)]() for i in range(count)}
+    return (Stock if kind == "stock" else MetricCollection)(members, compute_groups=False)
+
+
+def body_collections(rank: int, world_size: int, repeats: int, small_counts: list[int]) -> list[Case]:
+    """8-metric collection, N small metrics, compute groups: stock vs ours, compute() with a fresh sync each time."""
+    cases: list[Case] = []
+    for kind in ("stock", "varlen"):
+        coll = _eight_metrics(kind)
+        _feed_eight(coll, rank, 700 + 300 * rank)  # uneven batches and totals
+        ms, calls = _median_ms(lambda c=coll: (_invalidate(c), c.compute()), repeats)
+        cases.append({"case": "8-metric collection", "side": kind, "ms": ms, "collectives": calls})
+    for count in small_counts:
+        for kind in ("stock", "varlen"):
+            coll = _small_metrics(kind, count)
+            for i, metric in enumerate(coll.values(copy_state=False)):
+                metric.update(torch.arange(rank + i + 1, dtype=torch.float32))
+            ms, calls = _median_ms(lambda c=coll: (_invalidate(c), c.compute()), repeats)
+            cases.append({"case": f"{count} small metrics", "side": kind, "ms": ms, "collectives": calls, "n": count})
+    for kind in ("stock", "varlen"):
+        from torchmetrics import MetricCollection as Stock
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
+
+        from torchmetrics_varlen import MetricCollection
+
+        members = [MulticlassAccuracy(5), MulticlassPrecision(5), MulticlassF1Score(5)]
+        coll = (Stock if kind == "stock" else MetricCollection)(members)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            coll.update(torch.randn(50, 5, generator=gen), torch.randint(0, 5, (50,), generator=gen))
+        ms, calls = _median_ms(lambda c=coll: (_invalidate(c), c.compute()), repeats)
+        cases.append({"case": "compute-group collection (3 members)", "side": kind, "ms": ms, "collectives": calls})
+    return cases
+
+
+def body_big_cat(rank: int, world_size: int, repeats: int, sizes: list[int]) -> list[Case]:
+    """One float32 `cat` state of uneven size per rank: stock sync, ours, and the floor (one equal-size gather)."""
+    from torchmetrics.aggregation import CatMetric
+
+    from torchmetrics_varlen import rebase
+
+    local = torch.randn(sizes[rank % len(sizes)])
+    cases: list[Case] = []
+    for kind, cls in (("stock", CatMetric), ("varlen", rebase(CatMetric))):
+        metric = cls()
+        metric.update(local)
+
+        def sync_once(m: Any = metric) -> None:
+            m.sync()
+            m.unsync()
+
+        ms, calls = _median_ms(sync_once, repeats)
+        cases.append({"case": "big cat state", "side": kind, "ms": ms, "collectives": calls})
+    longest = max(sizes[r % len(sizes)] for r in range(world_size))
+    send = torch.zeros(longest)
+    receive = torch.empty(world_size * longest)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    ms, calls = _median_ms(lambda: gather(receive, send), repeats)
+    cases.append({"case": "big cat state", "side": "floor", "ms": ms, "collectives": calls})
+    return cases
+
+
+def _ratio_rows(cases: list[Case]) -> list[Case]:
+    by_case: dict[str, dict[str, Case]] = {}
+    for case in cases:
+        by_case.setdefault(case["case"], {})[case["side"]] = case
+    rows = []
+    for name, sides in by_case.items():
+        ours = sides["varlen"]
+        row = {"case": name, "stock_ms": sides["stock"]["ms"], "stock_collectives": sides["stock"]["collectives"]}
+        row.update(varlen_ms=ours["ms"], varlen_collectives=ours["collectives"])
+        row["speedup_vs_stock"] = sides["stock"]["ms"] / max(ours["ms"], 1e-9)
+        if "floor" in sides:
+            row["floor_ms"] = sides["floor"]["ms"]
+            row["ratio_to_floor"] = ours["ms"] / max(sides["floor"]["ms"], 1e-9)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[Case], world_size: int, repeats: int) -> str:
+    """Markdown-style table of the results."""
+    lines = [
+        f"Sync benchmark: {world_size} gloo CPU processes, median of {repeats} syncs, rank 0's timings",
+        "",
+        f"| {'case':<38} | {'stock ms':>9} | {'stock coll.':>11} | {'ours ms':>8} | {'ours coll.':>10} |"
+        f" {'speed-up':>8} | {'floor ms':>8} | {'ours/floor':>10} |",
+        f"|{'-' * 40}|{'-' * 11}|{'-' * 13}|{'-' * 10}|{'-' * 12}|{'-' * 10}|{'-' * 10}|{'-' * 12}|",
+    ]
+    for row in rows:
+        floor = f"{row['floor_ms']:>8.2f}" if "floor_ms" in row else f"{'-':>8}"
+        to_floor = f"{row['ratio_to_floor']:>9.2f}x" if "ratio_to_floor" in row else f"{'-':>10}"
+        lines.append(
+            f"| {row['case']:<38} | {row['stock_ms']:>9.2f} | {row['stock_collectives']:>11} |"
+            f" {row['varlen_ms']:>8.2f} | {row['varlen_collectives']:>10} | {row['speedup_vs_stock']:>7.1f}x |"
+            f" {floor} | {to_floor} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[Case], path: str) -> None:
+    """Collectives and latency against the number of metrics (2 states each), stock vs ours."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    small = sorted((row for row in rows if row["case"].endswith("small metrics")), key=lambda r: r["stock_ms"])
+    counts = [int(row["case"].split()[0]) for row in small]
+    order = sorted(range(len(counts)), key=counts.__getitem__)
+    counts = [counts[i] for i in order]
+    small = [small[i] for i in order]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for side, style in (("stock", "o-"), ("varlen", "s-")):
+        label = "stock torchmetrics" if side == "stock" else "torchmetrics_varlen"
+        left.plot(counts, [row[f"{side}_collectives"] for row in small], style, label=label)
+        right.plot(counts, [row[f"{side}_ms"] for row in small], style, label=label)
+    left.set(xlabel="metrics in the collection (2 states each)", ylabel="collectives per compute()", yscale="log")
+    right.set(xlabel="metrics in the collection (2 states each)", ylabel="ms per compute() (median)", yscale="log")
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(world_size: int, repeats: int, json_path: str | None, plot_path: str | None, quick: bool) -> int:
+    """Entry point of ``python -m torchmetrics_varlen bench``."""
+    from torchmetrics_varlen._launch import WorkerPool
+
+    small_counts = [1, 10, 50] if quick else [1, 5, 10, 25, 50]
+    cat_sizes = [200_000, 150_000] if quick else [2_000_000, 1_500_000]
+    with WorkerPool(world_size, pg_timeout=120.0) as pool:
+        cases = pool.run(body_collections, repeats, small_counts, deadline=600.0)[0]
+        cases += pool.run(body_big_cat, repeats, cat_sizes, deadline=600.0)[0]
+    rows = _ratio_rows(cases)
+    print(format_table(rows, world_size, repeats))
+    result = {"world_size": world_size, "repeats": repeats, "rows": rows}
+    print(json.dumps(result, indent=1))
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(result, out, indent=1)
+    if plot_path:
+        plot(rows, plot_path)
+    return 0

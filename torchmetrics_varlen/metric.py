@@ -1,0 +1,273 @@
+"""``torchmetrics_varlen.Metric``: a torchmetrics base class whose sync is coalesced, varlen-safe and never doubled."""
+
+import functools
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric as StockMetric
+from torchmetrics.utilities import distributed as _tm_distributed
+from torchmetrics.utilities.data import _squeeze_if_scalar
+from torchmetrics.utilities.prints import rank_zero_warn
+
+from torchmetrics_varlen import _transport
+from torchmetrics_varlen._state_sync import StateDict, sync_states
+from torchmetrics_varlen.gather import gather_all_tensors
+
+__all__ = ["Metric", "rebase"]
+
+_OUR_GATHERS = (None, gather_all_tensors, _tm_distributed.gather_all_tensors)
+
+
+def is_coalescing_sync_fn(fn: Callable[..., Any] | None) -> bool:
+    """True for the gathers the coalesced path replaces: ours, torchmetrics' default, or none given."""
+    return fn in _OUR_GATHERS
+
+
+def resolve_timeout(sync_timeout: float | None) -> float | None:
+    """Constructor value, else ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT``, else the default; 0 or less disables it."""
+    if sync_timeout is None:
+        return _transport.default_timeout()
+    if isinstance(sync_timeout, bool) or not isinstance(sync_timeout, (int, float)):
+        raise ValueError(f"Expected `sync_timeout` to be a number of seconds or None but got {sync_timeout!r}")
+    return float(sync_timeout) if sync_timeout > 0 else None
+
+
+def local_state_copy(metric: StockMetric) -> StateDict:
+    """The states as they are now; lists are copied so that a compute appending to them cannot alter the cache."""
+    states = {name: getattr(metric, name) for name in metric._defaults}
+    return {name: list(value) if isinstance(value, list) else value for name, value in states.items()}
+
+
+class Metric(StockMetric):
+    """Base class for metrics that sync all their states at once and stay exact on uneven and empty ranks.
+
+    Write a metric exactly as for :class:`torchmetrics.Metric` (``add_state``, ``update``, ``compute``) and subclass
+    this class instead. Differences from stock torchmetrics:
+
+    * **One-shot sync.** All states (tensors and lists, any dtypes, shapes and ``dist_reduce_fx``) travel in one
+      fixed-size metadata exchange and one data exchange, never a barrier. A custom ``dist_sync_fn`` is honoured
+      with the stock per-state path.
+    * **Uneven and empty ranks.** ``cat`` states may differ in length on every rank, a rank may hold nothing, and a
+      ``cat`` list empty everywhere stays ``[]`` as on one process.
+    * **No double sync.** ``sync()`` holds until ``unsync()``: ``compute()`` in between returns the global value with no
+      further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
+      ``compute()`` decides on the ``compute()`` cache together with the other ranks, so a rank with a stale cache
+      cannot leave the others waiting.
+    * **Clear failures.** Ranks syncing different metrics, layouts or phases raise
+      :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
+      :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
+
+    Args:
+        sync_timeout: seconds to wait for the other ranks at a sync before raising ``SyncTimeoutError``. None takes
+            ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` from the environment, else 300; 0 waits as long as the process
+            group's own timeout.
+        sync_grads: gather states differentiably across ranks, so gradients reach every rank's inputs (see the
+            "Metrics as losses" docs page). Every rank must then run the backward pass.
+        kwargs: the keyword arguments of :class:`torchmetrics.Metric` (``dist_sync_on_step``, ``process_group``, ...).
+
+    Example:
+        >>> import torch
+        >>> from torchmetrics_varlen import Metric
+        >>> class MeanAbsError(Metric):
+        ...     def __init__(self, **kwargs):
+        ...         super().__init__(**kwargs)
+        ...         self.add_state("abs_sum", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        ...         self.add_state("count", default=torch.tensor(0), dist_reduce_fx="sum")
+        ...     def update(self, preds, target):
+        ...         self.abs_sum += (preds - target).abs().sum()
+        ...         self.count += target.numel()
+        ...     def compute(self):
+        ...         return self.abs_sum / self.count
+        >>> metric = MeanAbsError()
+        >>> metric.update(torch.tensor([1.0, 2.0]), torch.tensor([1.5, 2.0]))
+        >>> metric.compute()
+        tensor(0.2500)
+    """
+
+    def __init__(self, *, sync_timeout: float | None = None, sync_grads: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("dist_sync_fn", gather_all_tensors)
+        super().__init__(**kwargs)
+        if not isinstance(sync_grads, bool):
+            raise ValueError(f"Expected keyword argument `sync_grads` to be a `bool` but got {sync_grads!r}")
+        self.sync_grads = sync_grads
+        self.sync_timeout = resolve_timeout(sync_timeout)
+
+    # ----------------------------------------------------------------------------------------------------- sync
+    def _sync_phase(self) -> str:
+        # `forward` clears `_should_unsync` for its batch compute: that marks a per-step sync.
+        return "compute" if self._should_unsync else "step"
+
+    def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
+        if not is_coalescing_sync_fn(dist_sync_fn) or (self.sync_grads and torch.is_grad_enabled()):
+            if self.sync_grads and is_coalescing_sync_fn(dist_sync_fn):
+                dist_sync_fn = functools.partial(gather_all_tensors, sync_grads=True)
+            super()._sync_dist(dist_sync_fn, process_group=process_group)
+            return
+        self._apply_synced(self._exchange(process_group, cached=False))
+
+    def _exchange(self, process_group: Any, cached: bool) -> StateDict | None:
+        group = process_group or self.process_group
+        phase = self._sync_phase()
+        label = f"{type(self).__name__}.{phase}"
+        synced = sync_states([self], group, phase=phase, label=label, timeout=self.sync_timeout, cached=cached)
+        return None if synced is None else synced[0]
+
+    def _apply_synced(self, states: StateDict | None) -> None:
+        for name, value in (states or {}).items():
+            setattr(self, name, value)
+
+    def _distributed(self, distributed_available: Callable[[], bool] | None = None) -> bool:
+        available = distributed_available or self.distributed_available_fn
+        if not (callable(available) and available()):
+            return False
+        return _transport.world_of(self.process_group) is not None  # a group of one has nothing to sync
+
+    def sync(
+        self,
+        dist_sync_fn: Callable[..., Any] | None = None,
+        process_group: Any | None = None,
+        should_sync: bool = True,
+        distributed_available: Callable[[], bool] | None = None,
+    ) -> None:
+        """Replace the local states by the global ones until :meth:`unsync`; a no-op when already synced.
+
+        Args:
+            dist_sync_fn: gather to use; None, this package's or torchmetrics' default take the coalesced path.
+            process_group: group to sync over; defaults to the metric's ``process_group``, then the world.
+            should_sync: when False, nothing happens.
+            distributed_available: callable telling whether a process group is up.
+        """
+        if not should_sync or self._is_synced or not self._distributed(distributed_available):
+            return
+        self._cache = local_state_copy(self)
+        self._sync_dist(dist_sync_fn or self.dist_sync_fn or gather_all_tensors, process_group=process_group)
+        self._is_synced = True
+
+    def unsync(self, should_unsync: bool = True) -> None:
+        """Restore the local states saved by :meth:`sync` so that accumulation can go on; a no-op when not synced.
+
+        Args:
+            should_unsync: when False, nothing happens.
+        """
+        if not should_unsync or not self._is_synced:
+            return
+        for name, value in (self._cache or {}).items():
+            setattr(self, name, value)
+        self._is_synced = False
+        self._cache = None
+
+    @contextmanager
+    def sync_context(
+        self,
+        dist_sync_fn: Callable[..., Any] | None = None,
+        process_group: Any | None = None,
+        should_sync: bool = True,
+        should_unsync: bool = True,
+        distributed_available: Callable[[], bool] | None = None,
+    ) -> Generator[None, None, None]:
+        """Sync for the body of the ``with`` block, and restore local states afterwards even if the body raises.
+
+        A metric that was already synced before the block stays synced after it.
+        """
+        was_synced = self._is_synced
+        self.sync(dist_sync_fn, process_group, should_sync, distributed_available)
+        try:
+            yield
+        finally:
+            if not was_synced:
+                self.unsync(should_unsync=should_unsync)
+
+    # -------------------------------------------------------------------------------------------------- compute
+    def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(compute)
+        def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
+            if not self.update_called:
+                rank_zero_warn(
+                    f"The ``compute`` method of metric {type(self).__name__} was called before the ``update`` method"
+                    " which may lead to errors, as metric states have not yet been updated.",
+                    UserWarning,
+                )
+            collective = self._to_sync and not self._is_synced and self._distributed()
+            if not collective:
+                # Local states, or states already made global by a manual `sync()`: no exchange at all.
+                if self._computed is not None:
+                    return self._computed
+                value = self._finish(compute(*args, **kwargs))
+                if self.compute_with_cache:
+                    self._computed = value
+                return value
+            # Every rank takes part in the metadata exchange, cached or not, and all agree on whether to skip.
+            cached = self._computed is not None and self.compute_with_cache
+            if is_coalescing_sync_fn(self.dist_sync_fn) and not (self.sync_grads and torch.is_grad_enabled()):
+                local = local_state_copy(self)
+                synced = self._exchange(None, cached=cached)
+                if synced is None:
+                    return self._computed
+                self._cache, self._is_synced = local, True
+                self._apply_synced(synced)
+            else:
+                self.sync(self.dist_sync_fn)
+            try:
+                value = self._finish(compute(*args, **kwargs))
+            finally:
+                self.unsync(should_unsync=self._should_unsync)
+            if self.compute_with_cache:
+                self._computed = value
+            return value
+
+        return wrapped_compute
+
+    @staticmethod
+    def _finish(value: Any) -> Any:
+        value = _squeeze_if_scalar(value)
+        # Clone so that in-place changes by the caller cannot alter a cached result.
+        if isinstance(value, Tensor):
+            return value.clone()
+        if isinstance(value, dict):
+            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(v.clone() if isinstance(v, Tensor) else v for v in value)
+        return value
+
+
+_M = TypeVar("_M", bound=StockMetric)
+
+
+@functools.cache
+def rebase(metric_cls: type[_M]) -> type[_M]:
+    """Return a subclass of a stock torchmetrics metric class that syncs through :class:`Metric`.
+
+    The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only
+    the sync changes (one-shot, varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments).
+
+    Args:
+        metric_cls: a subclass of :class:`torchmetrics.Metric`.
+
+    Returns:
+        ``class Varlen<Name>(metric_cls, torchmetrics_varlen.Metric)``, cached per class. Rebase task-specific classes
+        (``BinaryAUROC``), not the task wrappers (``AUROC``) whose constructor returns another class.
+
+    Example:
+        >>> import torch
+        >>> from torchmetrics.classification import BinaryAUROC
+        >>> from torchmetrics_varlen import Metric, rebase
+        >>> VarlenAUROC = rebase(BinaryAUROC)
+        >>> metric = VarlenAUROC(thresholds=None)
+        >>> isinstance(metric, BinaryAUROC), isinstance(metric, Metric)
+        (True, True)
+        >>> metric.update(torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1]))
+        >>> metric.compute()
+        tensor(1.)
+    """
+    if not (isinstance(metric_cls, type) and issubclass(metric_cls, StockMetric)):
+        raise TypeError(f"Expected `metric_cls` to be a subclass of torchmetrics.Metric but got {metric_cls!r}")
+    if issubclass(metric_cls, Metric):
+        return metric_cls
+    name = f"Varlen{metric_cls.__name__}"
+    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": metric_cls.__doc__}
+    rebased = type(name, (metric_cls, Metric), namespace)
+    globals().setdefault(name, rebased)  # lets pickle find the class by name in this process
+    return rebased  # type: ignore[return-value]
