@@ -127,16 +127,22 @@ def describe(entries: Sequence[LocalEntry], context: int, label: str, synced: bo
 
 
 def _entry_problem(entry: Entry) -> int:
-    items = [entry] if isinstance(entry, Tensor) else entry
-    if not isinstance(entry, (Tensor, list)) or not all(isinstance(t, Tensor) for t in items):
+    if isinstance(entry, Tensor):
+        if entry.layout != torch.strided or entry.dtype not in _DTYPE_CODE:
+            return ERR_LAYOUT
+        return ERR_NDIM if entry.ndim > MAX_NDIM else ERR_NONE
+    if not isinstance(entry, list):
         return ERR_NOT_TENSOR
-    if any(t.layout != torch.strided or t.dtype not in _DTYPE_CODE for t in items):
-        return ERR_LAYOUT
-    if any(t.ndim > MAX_NDIM for t in items):
-        return ERR_NDIM
-    if len({t.dtype for t in items if t.numel() > 0}) > 1:
-        return ERR_LIST_DTYPE
-    return ERR_NONE
+    dtypes = set()
+    for item in entry:
+        if not isinstance(item, Tensor):
+            return ERR_NOT_TENSOR
+        problem = _entry_problem(item)
+        if problem != ERR_NONE:
+            return problem
+        if item.numel() > 0:
+            dtypes.add(item.dtype)
+    return ERR_LIST_DTYPE if len(dtypes) > 1 else ERR_NONE
 
 
 @dataclass

@@ -8,8 +8,8 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
 from torchmetrics_varlen import _transport
-from torchmetrics_varlen._state_sync import StateDict, sync_states
-from torchmetrics_varlen.metric import is_coalescing_sync_fn, local_state_copy, resolve_timeout
+from torchmetrics_varlen._state_sync import sync_states
+from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn, resolve_timeout
 
 __all__ = ["MetricCollection"]
 
@@ -77,31 +77,39 @@ class MetricCollection(StockMetricCollection):
 
     @contextmanager
     def _synced_members(self) -> Generator[None, None, None]:
-        members = self._coalesced_members() if _transport.world_of(None) is not None else []
-        if not members:
-            yield
-            return
+        """Sync all eligible members at once, compute each from the global states, cache it, restore local states.
+
+        The members' own ``compute()`` then returns the cached global value: no second sync, and none of the
+        per-member sync bookkeeping of torchmetrics (that bookkeeping costs more than the exchange itself).
+        """
+        members = self._coalesced_members()
         cached = all(m._computed is not None for m in members)
-        synced = sync_states(
-            members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout, cached=cached
-        )
-        if synced is None:  # every rank has every result cached: compute() returns the caches
-            yield
-            return
-        touched: list[tuple[StockMetric, StateDict]] = []
+        synced: list[dict[str, Any]] | None = None
+        if members and _transport.world_of(None) is None:
+            # A group of one: nothing to exchange (stock members would still gather with themselves).
+            synced = [{} for _ in members] if not cached else None
+        elif members:
+            synced = sync_states(
+                members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout, cached=cached
+            )
+        uncached: list[StockMetric] = []
+        for metric, states in zip(members, synced or []):
+            local = {name: vars(metric)[name] for name in states}
+            try:
+                _set_states(metric, states)
+                metric._computed = Metric._finish(type(metric).compute(metric))  # the unwrapped compute
+            finally:
+                _set_states(metric, local)
+            if not metric.compute_with_cache:
+                uncached.append(metric)
         try:
-            for metric, states in zip(members, synced):
-                local = local_state_copy(metric)
-                touched.append((metric, local))
-                for name, value in states.items():
-                    setattr(metric, name, value)
-                # Mark as synced so the member's own compute() neither syncs again nor fails as "already synced".
-                metric._cache, metric._is_synced, metric._computed = dict(local), True, None
-                metric._to_sync = False
             yield
         finally:
-            for metric, local in touched:
-                for name, value in local.items():
-                    setattr(metric, name, value)
-                metric._is_synced, metric._cache = False, None
-                metric._to_sync = metric.sync_on_compute
+            for metric in uncached:
+                metric._computed = None
+
+
+def _set_states(metric: StockMetric, states: dict[str, Any]) -> None:
+    # States are plain instance attributes (torchmetrics never registers them as buffers), so writing them straight
+    # into the instance dict is what nn.Module.__setattr__ would do, minus its per-call checks.
+    vars(metric).update(states)

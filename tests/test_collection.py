@@ -1,0 +1,155 @@
+"""`torchmetrics_varlen.MetricCollection`: one shot for all members, equal to one process, compute groups once."""
+
+import pytest
+import torch
+from _helpers import assert_same, count_collectives, split
+from conftest import run_distributed
+from torchmetrics import MetricCollection as StockCollection
+from torchmetrics.classification import (
+    MulticlassAccuracy,
+    MulticlassAUROC,
+    MulticlassF1Score,
+    MulticlassPrecision,
+    MulticlassRecall,
+)
+from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef
+
+from torchmetrics_varlen import MetricCollection
+
+SIZES = {"uneven": [70, 30, 55], "one_empty": [40, 0, 25], "first_empty": [0, 33, 20]}
+
+
+def _members():
+    return {
+        "acc": MulticlassAccuracy(num_classes=5),
+        "prec": MulticlassPrecision(num_classes=5),
+        "rec": MulticlassRecall(num_classes=5),
+        "f1": MulticlassF1Score(num_classes=5),
+        "auroc": MulticlassAUROC(num_classes=5, thresholds=None),
+        "mse": MeanSquaredError(),
+        "mae": MeanAbsoluteError(),
+        "pearson": PearsonCorrCoef(),
+    }
+
+
+def _update(collection, preds, target):
+    for name, metric in collection.items(keep_base=True, copy_state=False):
+        if name in ("mse", "mae", "pearson"):
+            metric.update(preds[:, 0], target.float() / 4)
+        else:
+            metric.update(preds, target)
+
+
+def body_eight_metrics(rank, world_size, scenario, compute_groups):
+    sizes = SIZES[scenario][:world_size] if world_size > 1 else [50]
+    gen = torch.Generator().manual_seed(21)
+    preds = torch.softmax(torch.randn(sum(sizes), 5, generator=gen), -1)
+    target = torch.randint(0, 5, (sum(sizes),), generator=gen)
+    ours = MetricCollection(_members(), compute_groups=compute_groups)
+    mine = split(sizes, rank)
+    for start in range(mine.start, mine.stop, 16):
+        stop = min(start + 16, mine.stop)
+        _update(ours, preds[start:stop], target[start:stop])
+    with count_collectives() as counts:
+        got = ours.compute()
+    with count_collectives() as cached_counts:
+        again = ours.compute()
+    reference = StockCollection({k: m.__class__(**_kwargs(m)) for k, m in _members().items()})
+    for metric in reference.values(copy_state=False):
+        metric.sync_on_compute = False
+        metric._to_sync = False
+    _update(reference, preds, target)
+    return {
+        "got": got,
+        "again": again,
+        "expected": reference.compute(),
+        "calls": sum(counts.values()),
+        "cached_calls": sum(cached_counts.values()),
+        "groups": {k: sorted(v) for k, v in ours.compute_groups.items()},
+    }
+
+
+def _kwargs(metric):
+    if isinstance(metric, MulticlassAUROC):
+        return {"num_classes": 5, "thresholds": None}
+    if hasattr(metric, "num_classes"):
+        return {"num_classes": 5}
+    return {}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scenario", sorted(SIZES))
+@pytest.mark.parametrize("compute_groups", [True, False])
+def test_eight_metric_collection_equals_single_process(world_size, scenario, compute_groups):
+    for result in run_distributed(body_eight_metrics, world_size, scenario, compute_groups):
+        assert_same(result["got"], result["expected"])
+        assert_same(result["again"], result["expected"])
+        assert result["calls"] == (0 if world_size == 1 else 2)
+        assert result["cached_calls"] == (0 if world_size == 1 else 1)
+
+
+def body_compute_group_moves_once(rank, world_size):
+    members = [MulticlassAccuracy(5), MulticlassPrecision(5), MulticlassRecall(5)]
+    collection = MetricCollection(members)
+    gen = torch.Generator().manual_seed(rank)
+    collection.update(torch.randn(8 + rank, 5, generator=gen), torch.randint(0, 5, (8 + rank,), generator=gen))
+    sent = []
+    import torchmetrics_varlen._protocol as protocol
+
+    original = protocol.pack
+
+    def spy(entries, plan, rank_, device):
+        sent.append(sum(1 for e in entries if not isinstance(e, protocol.Ref)))
+        return original(entries, plan, rank_, device)
+
+    protocol.pack = spy
+    try:
+        collection.compute()
+    finally:
+        protocol.pack = original
+    states_per_member = len(members[0]._defaults)
+    return {"sent": sent, "states": states_per_member, "groups": len(collection.compute_groups)}
+
+
+def test_compute_group_state_is_sent_once():
+    for result in run_distributed(body_compute_group_moves_once, 2):
+        assert result["groups"] == 1
+        assert result["sent"] == [result["states"]]  # one member's states, not three
+
+
+def _classification():
+    return {
+        "acc": MulticlassAccuracy(num_classes=5),
+        "prec": MulticlassPrecision(num_classes=5),
+        "rec": MulticlassRecall(num_classes=5),
+        "f1": MulticlassF1Score(num_classes=5, average="weighted"),
+    }
+
+
+def body_groups_with_empty_rank(rank, world_size, scenario):
+    """Compute groups form from local data: ranks with data merge them, an empty rank does not. Still exact."""
+    sizes = SIZES[scenario][:world_size]
+    gen = torch.Generator().manual_seed(8)
+    preds = torch.randn(sum(sizes), 5, generator=gen)
+    target = torch.randint(0, 5, (sum(sizes),), generator=gen)
+    ours = MetricCollection(_classification())
+    mine = split(sizes, rank)
+    for start in range(mine.start, mine.stop, 16):
+        ours.update(preds[start : min(start + 16, mine.stop)], target[start : min(start + 16, mine.stop)])
+    with count_collectives() as counts:
+        got = ours.compute()
+    reference = StockCollection(_classification())
+    reference.update(preds, target)
+    return {"got": got, "expected": reference.compute(), "calls": sum(counts.values()), "groups": len(ours.compute_groups)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("scenario", sorted(SIZES))
+def test_compute_groups_formed_on_some_ranks_only(world_size, scenario):
+    results = run_distributed(body_groups_with_empty_rank, world_size, scenario)
+    for result in results:
+        assert_same(result["got"], result["expected"])
+        assert result["calls"] == 2
+    group_counts = {result["groups"] for result in results}
+    if scenario != "uneven":
+        assert len(group_counts) == 2  # the layouts really differed between ranks
