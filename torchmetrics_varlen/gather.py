@@ -142,4 +142,8 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     per_rank: list[Tensor] = [t for t in gathered[0] if isinstance(t, Tensor)]
     if result.numel() > 0:
         per_rank[rank] = result  # the caller's own object: its autograd graph stays intact
+    elif result.requires_grad:
+        # An empty rank's piece takes the peers' dtype and shape, but stays connected to the caller's graph, so a
+        # loss built from it still reaches this rank's parameters (DDP needs every rank's backward).
+        per_rank[rank] = result.reshape(per_rank[rank].shape).to(per_rank[rank].dtype)
     return per_rank
