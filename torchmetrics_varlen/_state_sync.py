@@ -6,7 +6,7 @@ states, except that uneven shapes and empty ranks work: ``cat`` concatenates wha
 data contributes nothing, and a ``cat`` list that is empty on every rank stays ``[]`` as on one process.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch

@@ -5,6 +5,7 @@ collectives per sync counted by wrapping the ``torch.distributed`` functions. Co
 this machine is shared and noisy.
 """
 
+import functools
 import json
 import statistics
 import time
@@ -32,9 +33,10 @@ def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, int]:
     return statistics.median(times), max(counts)
 
 
-def _invalidate(collection: Any) -> None:
+def _fresh_compute(collection: Any) -> Any:
     for metric in collection.values(copy_state=False):
         metric._computed = None  # force a fresh sync on the next compute()
+    return collection.compute()
 
 
 def _eight_metrics(kind: str) -> Any:
@@ -50,7 +52,7 @@ def _eight_metrics(kind: str) -> Any:
 
     from torchmetrics_varlen import MetricCollection
 
-    members = {
+    members: dict[str, Any] = {
         "acc": MulticlassAccuracy(num_classes=5),
         "prec": MulticlassPrecision(num_classes=5),
         "rec": MulticlassRecall(num_classes=5),
@@ -83,7 +85,7 @@ def _small_metrics(kind: str, count: int) -> Any:
     from torchmetrics_varlen import MetricCollection
 
     kinds = [MeanMetric, SumMetric, MaxMetric, MinMetric]
-    members = {f"m{i}": kinds[i % len(kinds)]() for i in range(count)}
+    members: dict[str, Any] = {f"m{i}": kinds[i % len(kinds)]() for i in range(count)}
     return (Stock if kind == "stock" else MetricCollection)(members, compute_groups=False)
 
 
@@ -93,14 +95,14 @@ def body_collections(rank: int, world_size: int, repeats: int, small_counts: lis
     for kind in ("stock", "varlen"):
         coll = _eight_metrics(kind)
         _feed_eight(coll, rank, 700 + 300 * rank)  # uneven batches and totals
-        ms, calls = _median_ms(lambda c=coll: (_invalidate(c), c.compute()), repeats)
+        ms, calls = _median_ms(functools.partial(_fresh_compute, coll), repeats)
         cases.append({"case": "8-metric collection", "side": kind, "ms": ms, "collectives": calls})
     for count in small_counts:
         for kind in ("stock", "varlen"):
             coll = _small_metrics(kind, count)
             for i, metric in enumerate(coll.values(copy_state=False)):
                 metric.update(torch.arange(rank + i + 1, dtype=torch.float32))
-            ms, calls = _median_ms(lambda c=coll: (_invalidate(c), c.compute()), repeats)
+            ms, calls = _median_ms(functools.partial(_fresh_compute, coll), repeats)
             cases.append({"case": f"{count} small metrics", "side": kind, "ms": ms, "collectives": calls, "n": count})
     for kind in ("stock", "varlen"):
         from torchmetrics import MetricCollection as Stock
@@ -113,7 +115,7 @@ def body_collections(rank: int, world_size: int, repeats: int, small_counts: lis
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
             coll.update(torch.randn(50, 5, generator=gen), torch.randint(0, 5, (50,), generator=gen))
-        ms, calls = _median_ms(lambda c=coll: (_invalidate(c), c.compute()), repeats)
+        ms, calls = _median_ms(functools.partial(_fresh_compute, coll), repeats)
         cases.append({"case": "compute-group collection (3 members)", "side": kind, "ms": ms, "collectives": calls})
     return cases
 
