@@ -54,12 +54,13 @@ KIND_TENSOR, KIND_LIST, KIND_REF = 1, 2, 3
 RECORD_SLOTS = 128
 
 # Local problems found by ``describe``; reported through the record so that every rank raises together.
-ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT = 0, 1, 2, 3, 4
+ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT, ERR_DTYPE = 0, 1, 2, 3, 4, 5
 _ERROR_TEXT = {
     ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
     ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
     ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
     ERR_LAYOUT: "a sparse or otherwise non-strided tensor",
+    ERR_DTYPE: "a tensor of a dtype the protocol cannot carry",
 }
 
 _DTYPE_NAMES = (
@@ -128,8 +129,10 @@ def describe(entries: Sequence[LocalEntry], context: int, label: str, synced: bo
 
 def _entry_problem(entry: Entry) -> int:
     if isinstance(entry, Tensor):
-        if entry.layout != torch.strided or entry.dtype not in _DTYPE_CODE:
+        if entry.layout != torch.strided:
             return ERR_LAYOUT
+        if entry.dtype not in _DTYPE_CODE:
+            return ERR_DTYPE
         return ERR_NDIM if entry.ndim > MAX_NDIM else ERR_NONE
     if not isinstance(entry, list):
         return ERR_NOT_TENSOR
@@ -151,6 +154,7 @@ class EntryPlan:
 
     kind: int
     dtype: torch.dtype | None  # the common dtype of the non-empty ranks; None when every rank is empty
+    own_dtypes: list[torch.dtype | None]  # per rank: what it sent (kept when no rank holds data)
     numels: list[int]  # per rank
     items: list[int]  # per rank
     shapes: list[tuple[int, ...]]  # per rank (tensor entries)
@@ -248,7 +252,7 @@ def _plan_entry(slots: list[list[int]], index: int, table: list[list[int]], what
         )
     kind = kinds.pop() if kinds else KIND_REF
     nonempty = [slot for slot in slots if slot[E_NUMEL] > 0]
-    dtype_codes = {slot[E_DTYPE] for slot in nonempty} or {slot[E_DTYPE] for slot in slots if slot[E_DTYPE]}
+    dtype_codes = {slot[E_DTYPE] for slot in nonempty}  # only ranks with data must agree
     if len(dtype_codes) > 1:
         raise SyncMismatchError(
             f"{what}: expected entry {index} to have one dtype on every rank that holds data, but got"
@@ -270,6 +274,7 @@ def _plan_entry(slots: list[list[int]], index: int, table: list[list[int]], what
     return EntryPlan(
         kind=kind,
         dtype=_DTYPES[dtype_codes.pop() - 1] if dtype_codes else None,
+        own_dtypes=[_DTYPES[slot[E_DTYPE] - 1] if slot[E_DTYPE] else None for slot in slots],
         numels=[slot[E_NUMEL] for slot in slots],
         items=[slot[E_ITEMS] for slot in slots],
         shapes=shapes,
@@ -328,7 +333,7 @@ def _section(row: Tensor, dtype: torch.dtype, start: int, numel: int) -> Tensor:
 def _unpack_tensor(row: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> Tensor:
     if eplan.numels[rank] == 0:
         shape = eplan.empty_shape if eplan.empty_shape is not None else eplan.shapes[rank]
-        dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
+        dtype = eplan.dtype or eplan.own_dtypes[rank] or torch.get_default_dtype()
         return torch.empty(shape, dtype=dtype, device=device)
     assert eplan.dtype is not None  # a rank with data has a dtype
     data = _section(row, eplan.dtype, eplan.offsets[rank], eplan.numels[rank]).view(eplan.shapes[rank])
