@@ -4,6 +4,7 @@ from torchmetrics_varlen.collection import MetricCollection
 from torchmetrics_varlen.errors import SyncMismatchError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.metric import Metric, rebase
+from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 
 __version__ = "0.1.0"
 
@@ -12,6 +13,7 @@ __all__ = [
     "MetricCollection",
     "SyncMismatchError",
     "SyncTimeoutError",
+    "UnpaddedDistributedSampler",
     "__version__",
     "gather_all_tensors",
     "rebase",

@@ -15,7 +15,7 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from torchmetrics_varlen import _protocol, _transport
-from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
+from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref, StackedRanks
 from torchmetrics_varlen.errors import SyncMismatchError
 from torchmetrics_varlen.gather import exchange_entries
 
@@ -77,8 +77,10 @@ def sync_states(
         if len(refs) == 1 and min(refs) >= 0:  # the same shared state on every rank: reduce it once
             reduced.append(reduced[min(refs)])
         else:
-            if (isinstance(local, Tensor) and local.numel() > 0) or isinstance(local, list):
-                per_rank[rank] = local  # this rank's own objects: their autograd graph survives
+            keep_graph = (isinstance(local, Tensor) and local.requires_grad) or isinstance(local, list)
+            if keep_graph or (isinstance(local, Tensor) and local.numel() > 0 and not plan.entries[position].dense):
+                per_rank = list(per_rank)
+                per_rank[rank] = local  # type: ignore[assignment]  # this rank's own objects keep their graph
             metric = metrics[index]
             reduced.append(reduce_state(per_rank, metric._reductions[name], f"{type(metric).__name__}.{name}"))
         out[index][name] = reduced[-1]
@@ -104,6 +106,8 @@ def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
         if reduction is dim_zero_cat:
             return dim_zero_cat(flat)
         return reduction(flat) if reduction is not None else flat
+    if isinstance(per_rank, StackedRanks) and reduction is not dim_zero_cat:
+        return reduction(per_rank.stacked) if reduction is not None else per_rank.stacked
     tensors: list[Tensor] = [t for t in per_rank if isinstance(t, Tensor)]
     if reduction is dim_zero_cat:
         # Uneven `cat` tensor states: concatenate what each rank holds (stock stacks, which needs equal shapes).
