@@ -94,19 +94,20 @@ def body_compute_group_moves_once(rank, world_size):
     gen = torch.Generator().manual_seed(rank)
     collection.update(torch.randn(8 + rank, 5, generator=gen), torch.randint(0, 5, (8 + rank,), generator=gen))
     sent = []
+    import torchmetrics_varlen._buffers as buffers
     import torchmetrics_varlen._protocol as protocol
 
-    original = protocol.pack
+    original = buffers.pack
 
     def spy(entries, plan, rank_, device):
         sent.append(sum(1 for e in entries if not isinstance(e, protocol.Ref)))
         return original(entries, plan, rank_, device)
 
-    protocol.pack = spy
+    buffers.pack = spy
     try:
         collection.compute()
     finally:
-        protocol.pack = original
+        buffers.pack = original
     states_per_member = len(members[0]._defaults)
     return {"sent": sent, "states": states_per_member, "groups": len(collection.compute_groups)}
 

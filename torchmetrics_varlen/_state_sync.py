@@ -2,8 +2,10 @@
 
 Used by :class:`torchmetrics_varlen.Metric` (one metric) and :class:`torchmetrics_varlen.MetricCollection` (all
 members at once). The reductions reproduce what stock ``torchmetrics.Metric._sync_dist`` does with the gathered
-states, except that uneven shapes and empty ranks work: ``cat`` concatenates whatever each rank holds, a rank without
-data contributes nothing, and a ``cat`` list that is empty on every rank stays ``[]`` as on one process.
+states, except that uneven shapes and empty ranks work: a rank without data contributes nothing, a ``cat`` list
+that is empty on every rank stays ``[]`` as on one process, and a ``cat`` list stays a list after the sync (one tensor
+per rank, views of the received buffer) instead of being concatenated: ``dim_zero_cat`` in ``compute()`` joins it
+exactly as it joins a local list, so the sync moves the data once and copies it nowhere.
 """
 
 from collections.abc import Sequence
@@ -15,7 +17,8 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from torchmetrics_varlen import _protocol, _transport
-from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref, StackedRanks
+from torchmetrics_varlen._buffers import StackedRanks
+from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 from torchmetrics_varlen.gather import exchange_entries
 
@@ -67,7 +70,10 @@ def sync_states(
     values = [getattr(metrics[index], name) for index, name in keys]
     entries = _entries_sharing_objects(values)
     context = _protocol.context_hash(layout_text(metrics, phase))
-    plan, gathered = exchange_entries(entries, group, context=context, label=label, timeout=timeout, synced=cached)
+    join = [metrics[index]._reductions[name] is dim_zero_cat for index, name in keys]
+    plan, gathered = exchange_entries(
+        entries, group, context=context, label=label, timeout=timeout, synced=cached, join=join
+    )
     if plan.all_synced:
         return None
     out: list[StateDict] = [{} for _ in metrics]
@@ -101,10 +107,10 @@ def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
     """Combine one state's per-rank values the way torchmetrics does after its gather."""
     if isinstance(per_rank[0], list):
         flat = [item for items in per_rank for item in items]  # type: ignore[union-attr]
-        if not flat:
-            return []
-        if reduction is dim_zero_cat:
-            return dim_zero_cat(flat)
+        if not flat or reduction is dim_zero_cat:
+            # A `cat` list stays a list (one tensor per rank, views of the received buffer): `dim_zero_cat` in
+            # compute() joins it, so the sync itself copies nothing.
+            return flat
         return reduction(flat) if reduction is not None else flat
     if isinstance(per_rank, StackedRanks) and reduction is not dim_zero_cat:
         return reduction(per_rank.stacked) if reduction is not None else per_rank.stacked

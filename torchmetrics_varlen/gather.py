@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _protocol, _transport
+from torchmetrics_varlen import _buffers, _protocol, _transport
 from torchmetrics_varlen._protocol import Entry, LocalEntry, Plan
 
 __all__ = ["gather_all_tensors"]
@@ -22,10 +22,12 @@ def exchange_entries(
     label: str,
     timeout: float | None = None,
     synced: bool = False,
+    join: Sequence[bool] | None = None,
 ) -> tuple[Plan, list[list[Entry]]]:
     """Run the protocol on a list of entries: at most two collectives, whatever the entries hold.
 
-    Returns the plan every rank agreed on and ``result[entry][rank]``. The caller must have checked that a sync is
+    Returns the plan every rank agreed on and ``result[entry][rank]`` (``join``: see ``_buffers.unpack``).
+    The caller must have checked that a sync is
     needed (``_transport.world_of(group)`` is not None). When every rank reports ``synced``, or nobody holds any
     bytes, the data exchange is skipped on every rank alike.
     """
@@ -43,10 +45,10 @@ def exchange_entries(
     if plan.max_bytes == 0:
         rows: list[Tensor] = []
     else:
-        buffer = _protocol.pack(entries, plan, rank, device)
+        buffer = _buffers.pack(entries, plan, rank, device)
         rows = _transport.exchange_payload(buffer, plan.nbytes, group)
     devices = [_entry_device(entry, like) for entry in entries]
-    return plan, _protocol.unpack(rows, plan, devices)
+    return plan, _buffers.unpack(rows, plan, devices, join)
 
 
 def _exchange_records(
