@@ -297,3 +297,25 @@ def test_step_vs_epoch_mismatch_raises_on_every_rank(world_size):
         assert r["message"] is not None
         assert "GlobalBatchMean.step" in r["message"] and "GlobalBatchMean.compute" in r["message"]
         assert r["after"] == world_size
+
+
+def test_rebased_metric_unpickles_in_a_fresh_process(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    metric = rebase(BinaryAUROC)(thresholds=None)
+    metric.update(torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1]))
+    path = tmp_path / "metric.pkl"
+    path.write_bytes(pickle.dumps(metric))
+    code = f"import pickle; m = pickle.load(open({str(path)!r}, 'rb')); print(type(m).__name__, m.compute().item())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["VarlenBinaryAUROC", str(BinaryAUROC(thresholds=None)(
+        torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1])).item())]
+
+
+def test_rebase_rejects_non_metrics_and_keeps_ours():
+    with pytest.raises(TypeError, match="subclass of torchmetrics.Metric"):
+        rebase(int)
+    assert rebase(SumOfSquares) is SumOfSquares
+    assert rebase(BinaryAUROC) is rebase(BinaryAUROC)

@@ -234,6 +234,24 @@ class Metric(StockMetric):
 
 
 _M = TypeVar("_M", bound=StockMetric)
+_REBASE_SEARCH = ("torchmetrics", "torchmetrics.classification", "torchmetrics.regression", "torchmetrics.aggregation",
+                  "torchmetrics.retrieval", "torchmetrics.clustering", "torchmetrics.nominal")
+
+
+def __getattr__(name: str) -> Any:
+    """Re-create ``Varlen<Name>`` classes on first use, so rebased metrics unpickle in a fresh process."""
+    if name.startswith("Varlen"):
+        import importlib
+
+        for module_name in _REBASE_SEARCH:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            base = getattr(module, name[len("Varlen") :], None)
+            if isinstance(base, type) and issubclass(base, StockMetric):
+                return rebase(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @functools.cache
@@ -269,5 +287,5 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
     name = f"Varlen{metric_cls.__name__}"
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": metric_cls.__doc__}
     rebased = type(name, (metric_cls, Metric), namespace)
-    globals().setdefault(name, rebased)  # lets pickle find the class by name in this process
+    globals().setdefault(name, rebased)  # lets pickle find the class by name (module __getattr__ covers new processes)
     return rebased  # type: ignore[return-value]
