@@ -315,7 +315,7 @@ def test_rebased_metric_unpickles_in_a_fresh_process(tmp_path):
 
 
 def test_rebase_rejects_non_metrics_and_keeps_ours():
-    with pytest.raises(TypeError, match="subclass of torchmetrics.Metric"):
+    with pytest.raises(TypeError, match=r"subclass of torchmetrics\.Metric"):
         rebase(int)
     assert rebase(SumOfSquares) is SumOfSquares
     assert rebase(BinaryAUROC) is rebase(BinaryAUROC)
