@@ -57,7 +57,7 @@ def bench(session: nox.Session) -> None:
     _install(session, ".[bench]")
     session.run(
         "python", "-m", "torchmetrics_varlen", "bench", "--json", "bench.json", "--plot", "docs/_static/bench.png",
-        *session.posargs,
+        "--table", "docs/benchmarks_table.rst", *session.posargs,
     )
 
 

@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, default=15, help="syncs per case; the median is reported")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     bench.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot (needs matplotlib)")
+    bench.add_argument("--table", dest="table_path", default=None, help="write the table as reStructuredText")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
     args = parser.parse_args(argv)
     if args.world_size < 1:
@@ -25,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(args.world_size)
     from torchmetrics_varlen.bench import main as bench_main
 
-    return bench_main(args.world_size, args.repeats, args.json_path, args.plot_path, args.quick)
+    return int(
+        bench_main(args.world_size, args.repeats, args.json_path, args.plot_path, args.quick, args.table_path)
+    )
 
 
 if __name__ == "__main__":

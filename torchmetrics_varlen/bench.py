@@ -224,7 +224,14 @@ def plot(rows: list[Case], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(world_size: int, repeats: int, json_path: str | None, plot_path: str | None, quick: bool) -> int:
+def main(
+    world_size: int,
+    repeats: int,
+    json_path: str | None,
+    plot_path: str | None,
+    quick: bool,
+    table_path: str | None = None,
+) -> int:
     """Entry point of ``python -m torchmetrics_varlen bench``."""
     from torchmetrics_varlen._launch import WorkerPool
 
@@ -234,7 +241,11 @@ def main(world_size: int, repeats: int, json_path: str | None, plot_path: str | 
         cases = pool.run(body_collections, repeats, small_counts, deadline=600.0)[0]
         cases += pool.run(body_big_cat, repeats, cat_sizes, deadline=600.0)[0]
     rows = _ratio_rows(cases)
-    print(format_table(rows, world_size, repeats))
+    table = format_table(rows, world_size, repeats)
+    print(table)
+    if table_path:
+        with open(table_path, "w") as out:  # a literal block, included by docs/benchmarks.rst
+            out.write("::\n\n" + "\n".join(f"    {line}" for line in table.splitlines()) + "\n")
     result = {"world_size": world_size, "repeats": repeats, "rows": rows}
     print(json.dumps(result, indent=1))
     if json_path:
