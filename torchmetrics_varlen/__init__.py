@@ -3,18 +3,22 @@
 from torchmetrics_varlen.collection import MetricCollection
 from torchmetrics_varlen.errors import SyncMismatchError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
+from torchmetrics_varlen.indexed import IndexedMetric
 from torchmetrics_varlen.metric import Metric, rebase
+from torchmetrics_varlen.onerank import compute_on_rank
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "IndexedMetric",
     "Metric",
     "MetricCollection",
     "SyncMismatchError",
     "SyncTimeoutError",
     "UnpaddedDistributedSampler",
     "__version__",
+    "compute_on_rank",
     "gather_all_tensors",
     "rebase",
 ]

@@ -18,7 +18,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 
 from torchmetrics_varlen import _protocol, _transport
 from torchmetrics_varlen._buffers import StackedRanks
-from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
+from torchmetrics_varlen._protocol import Entry, LocalEntry, Plan, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 from torchmetrics_varlen.gather import exchange_entries
 
@@ -68,7 +68,7 @@ def sync_states(
     rank, _ = world
     keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
     values = [getattr(metrics[index], name) for index, name in keys]
-    entries = _entries_sharing_objects(values)
+    entries = entries_sharing_objects(values)
     context = _protocol.context_hash(layout_text(metrics, phase))
     join = [metrics[index]._reductions[name] is dim_zero_cat for index, name in keys]
     plan, gathered = exchange_entries(
@@ -76,24 +76,43 @@ def sync_states(
     )
     if plan.all_synced:
         return None
+    reductions = [(metrics[index]._reductions[name], f"{type(metrics[index]).__name__}.{name}") for index, name in keys]
+    reduced = reduce_gathered(reductions, entries, plan, gathered, rank)
     out: list[StateDict] = [{} for _ in metrics]
+    for (index, name), value in zip(keys, reduced):
+        out[index][name] = value
+    return out
+
+
+def reduce_gathered(
+    reductions: Sequence[tuple[Any, str]],
+    entries: Sequence[LocalEntry],
+    plan: Plan,
+    gathered: list[list[Entry]],
+    rank: int,
+) -> list[Any]:
+    """Reduce every gathered entry with its ``(reduction, name)``; ``gathered`` is emptied as it goes (memory).
+
+    The local slot gets this rank's own objects back where they carry an autograd graph (or are lists), and a state
+    shared by a compute group on every rank is reduced once.
+    """
     reduced: list[Any] = []
-    for position, ((index, name), local, per_rank) in enumerate(zip(keys, entries, gathered)):
+    for position, ((reduction, where), local) in enumerate(zip(reductions, entries)):
+        per_rank = gathered[position]
         refs = set(plan.entries[position].refs)
-        if len(refs) == 1 and min(refs) >= 0:  # the same shared state on every rank: reduce it once
+        if len(refs) == 1 and min(refs) >= 0:
             reduced.append(reduced[min(refs)])
         else:
             keep_graph = (isinstance(local, Tensor) and local.requires_grad) or isinstance(local, list)
             if keep_graph or (isinstance(local, Tensor) and local.numel() > 0 and not plan.entries[position].dense):
                 per_rank = list(per_rank)
                 per_rank[rank] = local  # type: ignore[assignment]  # this rank's own objects keep their graph
-            metric = metrics[index]
-            reduced.append(reduce_state(per_rank, metric._reductions[name], f"{type(metric).__name__}.{name}"))
-        out[index][name] = reduced[-1]
-    return out
+            reduced.append(reduce_state(per_rank, reduction, where))
+        gathered[position] = []
+    return reduced
 
 
-def _entries_sharing_objects(values: list[Any]) -> list[LocalEntry]:
+def entries_sharing_objects(values: list[Any]) -> list[LocalEntry]:
     """One entry per state; a state that is the very object of an earlier one (a compute group) becomes a Ref."""
     seen: dict[int, int] = {}
     entries: list[LocalEntry] = []

@@ -34,11 +34,11 @@ def exchange_entries(
     world = _transport.world_of(group)
     assert world is not None
     rank, _ = world
-    like = next((e.device for e in _iter_tensors(entries)), torch.device("cpu"))
+    like = next((e.device for e in iter_tensors(entries)), torch.device("cpu"))
     device = _transport.transport_device(group, like)
     what = f"sync of {label}"
     record = _protocol.describe(entries, context, label, synced)
-    table = _exchange_records(record, group, device, timeout, what)
+    table = exchange_records(record, group, device, timeout, what)
     plan = _protocol.make_plan(table, what)
     if plan.all_synced:
         return plan, []
@@ -47,11 +47,11 @@ def exchange_entries(
     else:
         buffer = _buffers.pack(entries, plan, rank, device)
         rows = _transport.exchange_payload(buffer, plan.nbytes, group)
-    devices = [_entry_device(entry, like) for entry in entries]
+    devices = [entry_device(entry, like) for entry in entries]
     return plan, _buffers.unpack(rows, plan, devices, join)
 
 
-def _exchange_records(
+def exchange_records(
     record: list[int], group: Any, device: torch.device, timeout: float | None, what: str
 ) -> list[list[int]]:
     """Exchange records of one size on every rank, whatever each holds: a mismatch must be an error, not an abort."""
@@ -68,7 +68,7 @@ def _pad(record: list[int], length: int) -> list[int]:
     return record[:length] + [0] * (length - len(record))
 
 
-def _iter_tensors(entries: Sequence[LocalEntry]) -> list[Tensor]:
+def iter_tensors(entries: Sequence[LocalEntry]) -> list[Tensor]:
     out: list[Tensor] = []
     for entry in entries:
         if isinstance(entry, Tensor):
@@ -78,7 +78,7 @@ def _iter_tensors(entries: Sequence[LocalEntry]) -> list[Tensor]:
     return out
 
 
-def _entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
+def entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
     if isinstance(entry, Tensor):
         return entry.device
     if isinstance(entry, list) and entry and isinstance(entry[0], Tensor):

@@ -1,0 +1,303 @@
+"""One-rank compute: gather the states to one rank only, compute there, broadcast the result to every rank.
+
+The protocol is the one of every other sync (see :mod:`torchmetrics_varlen._protocol`), with the data exchange
+replaced by a gather to the destination rank:
+
+1. every rank describes its states and the fixed-size records are all-gathered (``_transport.exchange_metadata``), so
+   every rank reaches the same plan, raises the same errors, and skips the data exchange together when every rank's
+   result is cached;
+2. every rank packs its states into one ``uint8`` buffer of the agreed transfer size, and ``torch.distributed.gather``
+   moves the buffers to the destination rank only (:func:`gather_to_rank`);
+3. the destination rank unpacks and reduces the states exactly as a normal sync does, computes, and sends the outcome
+   (the value, or the exception it raised) to every rank (:func:`broadcast_from_rank`).
+
+The other ranks never hold more than their own states and one transfer buffer, so metrics whose states grow with the
+data set (AUROC, retrieval, ``cat`` states in general) can be computed on large evaluation sets without every rank
+holding the whole set. :func:`gather_to_rank` and :func:`broadcast_from_rank` are the only functions of this module
+that call ``torch.distributed`` collectives.
+"""
+
+import datetime
+import io
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torchmetrics import Metric as StockMetric
+from torchmetrics.utilities.data import dim_zero_cat
+
+from torchmetrics_varlen import _buffers, _protocol, _transport
+from torchmetrics_varlen._protocol import LocalEntry, Plan
+from torchmetrics_varlen._state_sync import entries_sharing_objects, layout_text, reduce_gathered, state_names
+from torchmetrics_varlen.errors import SyncTimeoutError
+from torchmetrics_varlen.gather import entry_device, exchange_records, iter_tensors
+from torchmetrics_varlen.metric import Metric
+
+__all__ = ["compute_on_rank"]
+
+
+def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
+    """Compute a metric from the states of every rank on rank ``dst`` only, and return the result on every rank.
+
+    Call it on every rank instead of ``metric.compute()``. The states travel to ``dst`` alone (one fixed-size metadata
+    all-gather, one gather of the data to ``dst``), ``dst`` computes the metric as a normal ``compute()`` would, and
+    the result is broadcast, so the other ranks never hold the whole data set: use it for metrics whose states grow
+    with the data (``BinaryAUROC(thresholds=None)``, retrieval metrics, ``CatMetric``) on large evaluation sets.
+
+    * The result is the value ``metric.compute()`` returns after a normal sync, bit for bit: the same reductions run
+      on the same states. It may be any nesting of tensors in dicts, lists and tuples; every rank gets it on the
+      metric's device, without autograd history.
+    * Works with stock torchmetrics metrics and :class:`~torchmetrics_varlen.Metric` subclasses, on uneven and empty
+      ranks. The metric's own ``dist_sync_fn`` is not used.
+    * The ``compute()`` cache is honoured: when every rank holds a cached result, only the metadata is exchanged. The
+      result is cached as ``compute()`` would cache it.
+    * An error while computing on ``dst`` is raised on every rank (same type and message), never a hang.
+    * Without a process group, in a group of one, with ``sync_on_compute=False``, or on a metric already synced by
+      ``sync()``, this is ``metric.compute()``.
+
+    Args:
+        metric: the metric to compute; its ``process_group`` is used (the default group when None).
+        dst: rank, within the metric's process group, that gathers the states and computes.
+
+    Returns:
+        What ``metric.compute()`` returns after a sync, on every rank.
+
+    Raises:
+        ValueError: ``dst`` is not a rank of the group (on every rank alike when every rank passes the same ``dst``).
+        TypeError: ``metric`` is not a torchmetrics metric.
+
+    Example:
+        Without a process group this is a plain ``compute()``:
+
+        >>> import torch
+        >>> from torchmetrics.classification import BinaryAUROC
+        >>> from torchmetrics_varlen.onerank import compute_on_rank
+        >>> metric = BinaryAUROC(thresholds=None)
+        >>> metric.update(torch.tensor([0.1, 0.8, 0.6, 0.3]), torch.tensor([0, 1, 1, 0]))
+        >>> compute_on_rank(metric, dst=0)
+        tensor(1.)
+
+        In a job, every rank calls it at the same point (rank 0 computes, every rank gets the value):
+
+        >>> value = compute_on_rank(metric)  # instead of metric.compute()
+    """
+    if not isinstance(metric, StockMetric):
+        raise TypeError(f"Expected `metric` to be a torchmetrics.Metric but got {type(metric).__name__}")
+    return one_rank_compute(metric, dst, metric.compute)
+
+
+def _check_dst(dst: Any, world_size: int | None) -> int:
+    if isinstance(dst, bool) or not isinstance(dst, int) or dst < 0:
+        raise ValueError(f"Expected `dst` to be a non-negative integer rank but got {dst!r}")
+    if world_size is not None and dst >= world_size:
+        raise ValueError(f"Expected `dst` to be a rank of the process group (0 to {world_size - 1}) but got {dst}")
+    return dst
+
+
+def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) -> Any:
+    """:func:`compute_on_rank` with the fallback ``local`` called when no sync is needed (shared with IndexedMetric)."""
+    group = metric.process_group
+    world = _transport.world_of(group)
+    _check_dst(dst, world[1] if world is not None else None)
+    if world is None or not metric._to_sync or metric._is_synced or not metric.distributed_available_fn():
+        return local()
+    rank, _ = world
+    if not metric.update_called:
+        warnings.warn(
+            f"The ``compute`` method of metric {type(metric).__name__} was called before the ``update`` method"
+            " which may lead to errors, as metric states have not yet been updated.",
+            UserWarning,
+            stacklevel=3,
+        )
+    # dst is part of what is synced: ranks that disagree on it raise SyncMismatchError instead of pairing wrongly.
+    phase = f"onerank{dst}." + ("compute" if metric._should_unsync else "step")
+    label = f"{type(metric).__name__}.{phase}"
+    what = f"one-rank compute of {label}"
+    timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _transport.default_timeout()
+    names = state_names(metric)
+    entries = entries_sharing_objects([getattr(metric, name) for name in names])
+    like = next((t.device for t in iter_tensors(entries)), torch.device("cpu"))
+    device = _transport.transport_device(group, like)
+    cached = metric._computed is not None and metric.compute_with_cache
+    context = _protocol.context_hash(layout_text([metric], phase))
+    record = _protocol.describe(entries, context, label, cached)
+    table = exchange_records(record, group, device, timeout, what)
+    plan = _protocol.make_plan(table, what)  # raises on every rank alike
+    if plan.all_synced:
+        return metric._computed
+    holder: list[list[Tensor] | None] = [[]]
+    if plan.max_bytes > 0:
+        buffer = _buffers.pack(entries, plan, rank, device)
+        holder[0] = gather_to_rank(buffer, dst, group, timeout, what)
+        del buffer
+    outcome: tuple[bool, Any] | None = None
+    if rank == dst:
+        outcome = _compute_here(metric, names, entries, plan, holder, rank, like)
+    ok, value = _share_outcome(outcome, dst, group, device, metric)
+    if not ok:
+        raise value
+    if metric.compute_with_cache:
+        metric._computed = value
+    return value
+
+
+def _compute_here(
+    metric: StockMetric,
+    names: list[str],
+    entries: list[LocalEntry],
+    plan: Plan,
+    holder: list[list[Tensor] | None],
+    rank: int,
+    like: torch.device,
+) -> tuple[bool, Any]:
+    """On the destination rank: reduce the gathered states and compute; any error becomes the outcome.
+
+    The gathered buffers come in ``holder`` and are dropped as soon as the states are reduced, so that the transfer
+    buffers are not alive while the metric computes.
+    """
+    try:
+        states = _reduce_gathered(metric, names, entries, plan, holder, rank, like)
+        saved = {name: getattr(metric, name) for name in names}
+        try:
+            for name in names:
+                setattr(metric, name, states.pop(name))
+            result = Metric._finish(type(metric).compute(metric))  # the unwrapped compute: no second sync
+        finally:
+            for name, value in saved.items():
+                setattr(metric, name, value)
+        return True, result
+    except Exception as err:  # raised on every rank after the broadcast
+        return False, err
+
+
+def _reduce_gathered(
+    metric: StockMetric,
+    names: list[str],
+    entries: list[LocalEntry],
+    plan: Plan,
+    holder: list[list[Tensor] | None],
+    rank: int,
+    like: torch.device,
+) -> dict[str, Any]:
+    """Unpack every rank's states and reduce them as a normal sync does (see ``_state_sync.sync_states``)."""
+    rows = holder[0] or []
+    holder[0] = None
+    devices = [entry_device(entry, like) for entry in entries]
+    join = [metric._reductions[name] is dim_zero_cat for name in names]
+    gathered = _buffers.unpack(rows, plan, devices, join)
+    del rows
+    reductions = [(metric._reductions[name], f"{type(metric).__name__}.{name}") for name in names]
+    return dict(zip(names, reduce_gathered(reductions, entries, plan, gathered, rank)))
+
+
+def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        mapped = {key: _map_tensors(item, fn) for key, item in value.items()}
+        try:
+            return type(value)(mapped)
+        except TypeError:  # a dict subclass with another constructor (defaultdict): a plain dict
+            return mapped
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_map_tensors(item, fn) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    return value
+
+
+def _portable(tensor: Tensor) -> Tensor:
+    """A detached CPU tensor that owns exactly its own bytes (pickling a view would send its whole storage)."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def _encode_outcome(outcome: tuple[bool, Any]) -> bytes:
+    ok, value = outcome
+    if ok:
+        try:
+            return _dumps((True, _map_tensors(value, _portable)))
+        except Exception as err:  # an unpicklable result: every rank raises instead
+            value = RuntimeError(
+                f"one-rank compute: the result ({type(value).__name__}) cannot be sent to the other ranks: {err}"
+            )
+    try:
+        return _dumps((False, value))
+    except Exception:
+        return _dumps((False, RuntimeError(f"{type(value).__name__}: {value}")))
+
+
+def _dumps(value: Any) -> bytes:
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    return stream.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _share_outcome(
+    outcome: tuple[bool, Any] | None, dst: int, group: Any, device: torch.device, metric: StockMetric
+) -> tuple[bool, Any]:
+    """Send the destination rank's outcome to every rank; the destination keeps its own objects."""
+    data = _encode_outcome(outcome) if outcome is not None else None
+    received = broadcast_from_rank(data, dst, group, device)
+    if outcome is not None:
+        return outcome
+    ok, value = _loads(received)
+    if ok:
+        target = metric.device
+        value = _map_tensors(value, lambda t: t.to(target))
+    return ok, value
+
+
+# ------------------------------------------------------------------------------------------------------ transport
+def _global_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def gather_to_rank(
+    buffer: Tensor, dst: int, group: Any, timeout: float | None, what: str = "one-rank compute"
+) -> list[Tensor] | None:
+    """Collective: every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only.
+
+    One ``torch.distributed.gather`` (supported by gloo and NCCL). Returns the buffers in rank order on ``dst``,
+    None on the other ranks. With a ``timeout`` in seconds, raises ``SyncTimeoutError`` when the ranks do not all
+    arrive in time.
+    """
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    rows: list[Tensor] | None = None
+    if rank == dst:
+        output = torch.empty(world_size, buffer.numel(), dtype=torch.uint8, device=buffer.device)
+        rows = list(output.unbind(0))
+    work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=timeout is not None)
+    if timeout is not None and work is not None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as err:
+            raise SyncTimeoutError(_transport._timeout_message(what, timeout, group)) from err
+    return rows
+
+
+def broadcast_from_rank(data: bytes | None, src: int, group: Any, device: torch.device) -> bytes:
+    """Collectives: the bytes ``data`` of rank ``src`` to every rank of ``group`` (a size, then the bytes).
+
+    Two ``torch.distributed.broadcast`` calls; ``data`` is ignored on the other ranks (pass None).
+    """
+    rank = dist.get_rank(group)
+    size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=_global_rank(group, src), group=group)
+    if rank == src:
+        assert data is not None
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=_global_rank(group, src), group=group)
+    return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
