@@ -29,22 +29,51 @@ def validation_set() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sigmoid(logits), target
 
 
-def shard(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's samples: a strided shard, and the last rank's data filtered away (when there are 2+ ranks)."""
+Shard = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # preds, target, dataset index
+
+
+def shard(rank: int, world_size: int, scenario: str = "filtered") -> Shard:
+    """This rank's samples in a scenario.
+
+    ``filtered``: a strided shard without padding, and the last rank's data filtered away (with 2+ ranks).
+    ``padded``: what ``DistributedSampler(drop_last=False)`` hands this rank: the data set padded with repeats.
+    ``unpadded``: what ``UnpaddedDistributedSampler`` hands this rank: every sample exactly once.
+    """
+    from torch.utils.data import DistributedSampler
+
+    from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
+
     preds, target = validation_set()
-    if world_size > 1 and rank == world_size - 1:
-        return preds[:0], target[:0]
-    return preds[rank::world_size], target[rank::world_size]
+    if scenario == "filtered":
+        index = torch.arange(N_SAMPLES)[rank::world_size]
+        if world_size > 1 and rank == world_size - 1:
+            index = index[:0]
+    else:
+        sampler_cls = DistributedSampler if scenario == "padded" else UnpaddedDistributedSampler
+        dataset: Any = range(N_SAMPLES)  # samplers only need len()
+        sampler: Any = sampler_cls(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=7)
+        index = torch.tensor(list(sampler), dtype=torch.int64)
+    return preds[index], target[index], index
 
 
-def kept_data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Everything the ranks hold, concatenated rank after rank: the single-process truth is computed on this."""
-    parts = [shard(rank, world_size) for rank in range(world_size)]
-    return torch.cat([p for p, _ in parts]), torch.cat([t for _, t in parts])
+def truth(world_size: int, scenario: str) -> dict[str, float]:
+    """AUROC, AP and sample count of one process on the data set (what the ranks hold, each sample once)."""
+    from torchmetrics.functional.classification import binary_auroc, binary_average_precision
+
+    preds, target = validation_set()
+    if scenario == "filtered":
+        index = torch.cat([shard(rank, world_size, scenario)[2] for rank in range(world_size)])
+        preds, target = preds[index], target[index]
+    return {
+        "auroc": binary_auroc(preds, target).item(),
+        "ap": binary_average_precision(preds, target).item(),
+        "count": float(preds.numel()),
+    }
 
 
-def _batches(preds: torch.Tensor, target: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(preds[i : i + BATCH_SIZE], target[i : i + BATCH_SIZE]) for i in range(0, preds.numel(), BATCH_SIZE)]
+def _batches(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    size = tensors[0].numel()
+    return [tuple(t[i : i + BATCH_SIZE] for t in tensors) for i in range(0, size, BATCH_SIZE)]
 
 
 class _CollectiveCounter:
@@ -95,119 +124,142 @@ def _naive_gather(preds: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tens
     return out[0], out[1]
 
 
-def _method_naive(preds: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+def _method_naive(data: Shard) -> dict[str, float]:
     from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 
-    all_preds, all_target = _naive_gather(preds, target)
+    all_preds, all_target = _naive_gather(data[0], data[1])
     return {
         "auroc": binary_auroc(all_preds, all_target).item(),
         "ap": binary_average_precision(all_preds, all_target).item(),
+        "count": float(all_preds.numel()),
     }
 
 
-def _metric_pair(kind: str) -> Any:
+def _metrics(kind: str) -> Any:
+    """AUROC, AP and a sample count, synced the way ``kind`` says."""
+    from torchmetrics.aggregation import SumMetric
     from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 
     import torchmetrics_varlen as tv
 
-    if kind == "stock":
-        return {"auroc": BinaryAUROC(thresholds=None), "ap": BinaryAveragePrecision(thresholds=None)}
-    if kind == "hook":
-        hook = tv.gather_all_tensors
+    def members(**kw: Any) -> dict[str, Any]:
         return {
-            "auroc": BinaryAUROC(thresholds=None, dist_sync_fn=hook),
-            "ap": BinaryAveragePrecision(thresholds=None, dist_sync_fn=hook),
+            "auroc": BinaryAUROC(thresholds=None, **kw),
+            "ap": BinaryAveragePrecision(thresholds=None, **kw),
+            "count": SumMetric(**kw),
         }
-    return tv.MetricCollection({"auroc": BinaryAUROC(thresholds=None), "ap": BinaryAveragePrecision(thresholds=None)})
+
+    if kind == "stock":
+        return members()
+    if kind == "hook":
+        return members(dist_sync_fn=tv.gather_all_tensors)
+    if kind == "indexed":
+        return {name: tv.IndexedMetric(metric) for name, metric in members().items()}
+    return tv.MetricCollection(members())
 
 
-def _method_metrics(kind: str) -> Callable[[torch.Tensor, torch.Tensor], dict[str, float]]:
-    def run(preds: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
-        metrics = _metric_pair(kind)
-        for batch_preds, batch_target in _batches(preds, target):
-            if isinstance(metrics, dict):
-                for metric in metrics.values():
-                    metric.update(batch_preds, batch_target)
-            else:
-                metrics.update(batch_preds, batch_target)
-        values = {k: m.compute() for k, m in metrics.items()} if isinstance(metrics, dict) else metrics.compute()
+def _method_metrics(kind: str) -> Callable[[Shard], dict[str, float]]:
+    def run(data: Shard) -> dict[str, float]:
+        metrics = _metrics(kind)
+        for preds, target, index in _batches(*data):
+            extra = {"sample_index": index} if kind == "indexed" else {}
+            for name, metric in metrics.items():  # a collection yields its members the same way
+                args = (torch.ones(preds.numel()),) if name == "count" else (preds, target)
+                metric.update(*args, **extra)
+        values = metrics.compute() if kind == "collection" else {k: m.compute() for k, m in metrics.items()}
         return {k: float(v.item()) for k, v in values.items()}
 
     return run
 
 
-METHODS: dict[str, Callable[[torch.Tensor, torch.Tensor], dict[str, float]]] = {
-    "naive equal-shape all_gather": _method_naive,
-    "stock torchmetrics": _method_metrics("stock"),
-    "torchmetrics_varlen hook (dist_sync_fn=)": _method_metrics("hook"),
-    "torchmetrics_varlen MetricCollection": _method_metrics("collection"),
+METHODS: dict[str, tuple[str, Callable[[Shard], dict[str, float]]]] = {
+    "naive equal-shape all_gather": ("filtered", _method_naive),
+    "stock torchmetrics": ("filtered", _method_metrics("stock")),
+    "torchmetrics_varlen hook (dist_sync_fn=)": ("filtered", _method_metrics("hook")),
+    "torchmetrics_varlen MetricCollection": ("filtered", _method_metrics("collection")),
+    "stock torchmetrics (padded sampler)": ("padded", _method_metrics("stock")),
+    "varlen hook (padded sampler)": ("padded", _method_metrics("hook")),
+    "IndexedMetric + sample_index (padded)": ("padded", _method_metrics("indexed")),
+    "UnpaddedDistributedSampler + collection": ("unpadded", _method_metrics("collection")),
+}
+SCENARIO_TITLES = {
+    "filtered": "A. strided shards, batches of {batch}, last rank filtered to 0 samples",
+    "padded": "B. DistributedSampler(drop_last=False, shuffle=True): the data set padded with repeated samples",
 }
 
 
 def run_method(rank: int, world_size: int, name: str) -> Row:
-    """Run one method on this rank's shard: values, collective count, median compute time (ms)."""
+    """Run one method on this rank's shard: values, collective count, median update+compute time (ms)."""
     import warnings
 
-    preds, target = shard(rank, world_size)
-    method = METHODS[name]
+    scenario, method = METHODS[name]
+    data = shard(rank, world_size, scenario)
     times, values, count = [], {}, 0
     for _ in range(REPEATS):
         with warnings.catch_warnings(), _CollectiveCounter() as counter:
             warnings.simplefilter("ignore")
             start = time.perf_counter()
-            values = method(preds, target)
+            values = method(data)
             times.append((time.perf_counter() - start) * 1000)
         count = counter.count
     return {"values": values, "collectives": count, "ms": statistics.median(times)}
 
 
-def truth(world_size: int) -> dict[str, float]:
-    """AUROC and AP of one process on everything the ranks hold."""
-    from torchmetrics.functional.classification import binary_auroc, binary_average_precision
-
-    preds, target = kept_data(world_size)
-    return {"auroc": binary_auroc(preds, target).item(), "ap": binary_average_precision(preds, target).item()}
+def _verdict(values: dict[str, float], reference: dict[str, float]) -> str:
+    keys = ("auroc", "ap", "count")
+    wrong = [key for key in keys if abs(values[key] - reference[key]) > 1e-6]
+    if wrong:
+        return "NO: " + ", ".join(f"{key} wrong" for key in wrong)
+    return "yes, exactly" if all(values[key] == reference[key] for key in keys) else "yes (within 1e-6)"
 
 
 def format_table(world_size: int, rows: dict[str, Row | str]) -> str:
-    """The demo's one table: one line per method, with what was measured."""
-    reference = truth(world_size)
-    sizes = [shard(r, world_size)[0].numel() for r in range(world_size)]
+    """The demo's table: per scenario, the single-process truth and one line per method, as measured."""
+    header = (
+        f"{'method':<42} {'AUROC':>9} {'AP':>9} {'samples':>8}  {'matches truth':<30} {'collectives':>11} {'ms':>7}"
+    )
     lines = [
-        f"Field report 1 on {world_size} gloo CPU processes: {N_SAMPLES} validation samples, strided shards,"
-        f" batches of {BATCH_SIZE}, last rank filtered to 0 samples; samples per rank: {sizes}",
-        "",
-        f"{'method':<42} {'AUROC':>10} {'AP':>10}  {'matches truth':<44} {'collectives':>11} {'ms':>8}",
-        f"{'single-process truth':<42} {reference['auroc']:>10.6f} {reference['ap']:>10.6f}  {'(reference)':<44}"
-        f" {'-':>11} {'-':>8}",
+        f"Field report 1 on {world_size} gloo CPU processes; {N_SAMPLES} validation samples, batches of {BATCH_SIZE}.",
     ]
-    for name, row in rows.items():
-        if isinstance(row, str):
-            lines.append(f"{name:<42} {'-':>10} {'-':>10}  {row[:44]:<44} {'-':>11} {'-':>8}")
-            continue
-        values = row["values"]
-        ok = {k: abs(values[k] - reference[k]) <= 1e-6 for k in reference}
-        verdict = "yes" if all(ok.values()) else f"NO (AUROC {_word(ok['auroc'])}, AP {_word(ok['ap'])})"
+    for scenario in ("filtered", "padded"):
+        reference = truth(world_size, scenario)
+        sizes = [shard(r, world_size, scenario)[0].numel() for r in range(world_size)]
+        lines += ["", SCENARIO_TITLES[scenario].format(batch=BATCH_SIZE) + f"; samples per rank: {sizes}", header]
         lines.append(
-            f"{name:<42} {values['auroc']:>10.6f} {values['ap']:>10.6f}  {verdict:<44}"
-            f" {row['collectives']:>11} {row['ms']:>8.2f}"
+            f"{'single-process truth':<42} {reference['auroc']:>9.6f} {reference['ap']:>9.6f}"
+            f" {int(reference['count']):>8}  {'(reference)':<30} {'-':>11} {'-':>7}"
         )
-    lines.append("")
-    lines.append("collectives: torch.distributed calls per rank for computing both metrics; ms: median wall time of")
-    lines.append(f"update+compute on rank 0 over {REPEATS} runs (includes the sync).")
+        for name, row in rows.items():
+            if METHODS[name][0] == "unpadded" and scenario == "padded":
+                pass  # the fix for B: same data set, a sampler that does not pad
+            elif METHODS[name][0] != scenario:
+                continue
+            if isinstance(row, str):
+                lines.append(f"{name:<42} {'-':>9} {'-':>9} {'-':>8}  {row[:30]:<30} {'-':>11} {'-':>7}")
+                continue
+            values = row["values"]
+            lines.append(
+                f"{name:<42} {values['auroc']:>9.6f} {values['ap']:>9.6f} {int(values['count']):>8}"
+                f"  {_verdict(values, reference):<30} {row['collectives']:>11} {row['ms']:>7.2f}"
+            )
+    lines += [
+        "",
+        "samples: how many samples the method's sync counted; collectives: torch.distributed calls per rank for",
+        f"update+compute of AUROC, AP and the count; ms: median wall time of that on rank 0 over {REPEATS} runs.",
+    ]
     return "\n".join(lines)
-
-
-def _word(ok: bool) -> str:
-    return "right" if ok else "wrong"
 
 
 def _failure_text(err: BaseException) -> str:
     text = str(err)
     if any(sign in text for sign in ("died", "Received data size", "collective mismatch", "Connection")):
-        return "ERROR: a rank aborted (gloo collective mismatch)"
+        return "ERROR: a rank aborted (gloo)"
     last = [line for line in text.splitlines() if line.strip()][-1]
     return f"ERROR: {last.strip()[:60]}"
+
+
+# Stock torchmetrics aborts a process when one rank holds no data: it runs in a process group of its own.
+_MAY_ABORT = ("stock torchmetrics",)
 
 
 def run_spawned(world_size: int) -> str:
@@ -217,17 +269,15 @@ def run_spawned(world_size: int) -> str:
     rows: dict[str, Row | str] = {}
     with WorkerPool(world_size, pg_timeout=30.0, quiet=True) as pool:
         for name in METHODS:
-            if name == "stock torchmetrics":
-                continue
-            rows[name] = pool.run(run_method, name, deadline=60.0)[0]
-    # Stock torchmetrics can abort a process on an empty rank: it runs in a pool of its own.
-    with WorkerPool(world_size, pg_timeout=30.0, quiet=True) as pool:
-        try:
-            rows["stock torchmetrics"] = pool.run(run_method, "stock torchmetrics", deadline=60.0)[0]
-        except WorkerError as err:
-            rows["stock torchmetrics"] = _failure_text(err)
-    order = list(METHODS)
-    return format_table(world_size, {name: rows[name] for name in order})
+            if name not in _MAY_ABORT:
+                rows[name] = pool.run(run_method, name, deadline=60.0)[0]
+    for name in _MAY_ABORT:
+        with WorkerPool(world_size, pg_timeout=30.0, quiet=True) as pool:
+            try:
+                rows[name] = pool.run(run_method, name, deadline=60.0)[0]
+            except WorkerError as err:
+                rows[name] = _failure_text(err)
+    return format_table(world_size, {name: rows[name] for name in METHODS})
 
 
 def run_under_torchrun() -> str | None:
@@ -237,9 +287,8 @@ def run_under_torchrun() -> str | None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows: dict[str, Row | str] = {}
     for name in METHODS:
-        if name == "stock torchmetrics" and world_size > 1:
-            # It aborts the whole job on the empty rank; run the demo without torchrun to see that row.
-            rows[name] = "skipped under torchrun (aborts the job)"
+        if name in _MAY_ABORT and world_size > 1:
+            rows[name] = "skipped: aborts under torchrun"  # run the demo without torchrun to see that row
             continue
         rows[name] = run_method(rank, world_size, name)
     dist.barrier()
@@ -248,10 +297,8 @@ def run_under_torchrun() -> str | None:
 
 def main(world_size: int = 4) -> int:
     """Entry point of ``python -m torchmetrics_varlen demo``."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        table = run_under_torchrun()
-    else:
-        table = run_spawned(world_size)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    table = run_under_torchrun() if under_torchrun else run_spawned(world_size)
     if table is not None:
         print(table, flush=True)
     return 0
