@@ -124,6 +124,8 @@ def entries_sharing_objects(values: list[Any]) -> list[LocalEntry]:
 
 def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
     """Combine one state's per-rank values the way torchmetrics does after its gather."""
+    if isinstance(per_rank, StackedRanks) and reduction is not dim_zero_cat:  # checked first: it never unbinds
+        return reduction(per_rank.stacked) if reduction is not None else per_rank.stacked
     if isinstance(per_rank[0], list):
         flat = [item for items in per_rank for item in items]  # type: ignore[union-attr]
         if not flat or reduction is dim_zero_cat:
@@ -131,8 +133,6 @@ def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
             # compute() joins it, so the sync itself copies nothing.
             return flat
         return reduction(flat) if reduction is not None else flat
-    if isinstance(per_rank, StackedRanks) and reduction is not dim_zero_cat:
-        return reduction(per_rank.stacked) if reduction is not None else per_rank.stacked
     tensors: list[Tensor] = [t for t in per_rank if isinstance(t, Tensor)]
     if reduction is dim_zero_cat:
         # Uneven `cat` tensor states: concatenate what each rank holds (stock stacks, which needs equal shapes).
