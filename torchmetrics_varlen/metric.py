@@ -239,7 +239,7 @@ _REBASE_SEARCH = ("torchmetrics", "torchmetrics.classification", "torchmetrics.r
 
 
 def __getattr__(name: str) -> Any:
-    """Re-create ``Varlen<Name>`` classes on first use, so rebased metrics unpickle in a fresh process."""
+    """Find ``Varlen<Name>`` classes by name (``rebase`` is cached, so this is the same class), for pickle."""
     if name.startswith("Varlen"):
         import importlib
 
@@ -287,5 +287,4 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
     name = f"Varlen{metric_cls.__name__}"
     namespace = {"__module__": __name__, "__qualname__": name, "__doc__": metric_cls.__doc__}
     rebased = type(name, (metric_cls, Metric), namespace)
-    globals().setdefault(name, rebased)  # lets pickle find the class by name (module __getattr__ covers new processes)
     return rebased  # type: ignore[return-value]
