@@ -69,6 +69,7 @@ class _Gather(torch.autograd.Function):
         plan, gathered = exchange_entries(
             [result.detach()], group, context=_CONTEXT, label=_LABEL, timeout=_transport.default_timeout()
         )
+        assert plan is not None  # no `stop` given
         pieces = [piece for piece in gathered[0] if isinstance(piece, Tensor)]
         dtype = plan.entries[0].dtype
         if dtype is None or not (dtype.is_floating_point or dtype.is_complex):

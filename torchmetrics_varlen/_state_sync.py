@@ -57,23 +57,22 @@ def sync_states(
     label: str,
     timeout: float | None,
     cached: bool = False,
+    values: Sequence[StateDict] | None = None,
 ) -> list[StateDict] | None:
     """Gather and reduce the states of ``metrics`` across ``group`` in two collectives.
 
     Returns one dict of reduced (global) states per metric, or None when every rank reported ``cached`` (then only
     the metadata was exchanged). The local slot keeps this rank's own tensors, so their autograd graph survives.
+    ``values`` replaces the metrics' current states (one dict per metric), for example by their defaults.
     """
     world = _transport.world_of(group)
     assert world is not None
     rank, _ = world
-    keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
-    values = [getattr(metrics[index], name) for index, name in keys]
-    entries = entries_sharing_objects(values)
-    context = _protocol.context_hash(layout_text(metrics, phase))
-    join = [metrics[index]._reductions[name] is dim_zero_cat for index, name in keys]
+    keys, entries, context, join = sync_layout(metrics, phase, values)
     plan, gathered = exchange_entries(
         entries, group, context=context, label=label, timeout=timeout, synced=cached, join=join
     )
+    assert plan is not None  # no `stop` given
     if plan.all_synced:
         return None
     reductions = [(metrics[index]._reductions[name], f"{type(metrics[index]).__name__}.{name}") for index, name in keys]
@@ -82,6 +81,17 @@ def sync_states(
     for (index, name), value in zip(keys, reduced):
         out[index][name] = value
     return out
+
+
+def sync_layout(
+    metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None
+) -> tuple[list[tuple[int, str]], list[LocalEntry], int, list[bool]]:
+    """What a sync of ``metrics`` sends: (metric index, state name) keys, entries, context hash, ``cat`` flags."""
+    keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
+    states = [values[index][name] if values else getattr(metrics[index], name) for index, name in keys]
+    context = _protocol.context_hash(layout_text(metrics, phase))
+    join = [metrics[index]._reductions[name] is dim_zero_cat for index, name in keys]
+    return keys, entries_sharing_objects(states), context, join
 
 
 def reduce_gathered(

@@ -1,6 +1,6 @@
 """A varlen-safe ``gather_all_tensors``: the ``dist_sync_fn`` hook for any torchmetrics metric."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,13 +23,14 @@ def exchange_entries(
     timeout: float | None = None,
     synced: bool = False,
     join: Sequence[bool] | None = None,
-) -> tuple[Plan, list[list[Entry]]]:
+    stop: Callable[[list[list[int]]], bool] | None = None,
+) -> tuple[Plan | None, list[list[Entry]]]:
     """Run the protocol on a list of entries: at most two collectives, whatever the entries hold.
 
     Returns the plan every rank agreed on and ``result[entry][rank]`` (``join``: see ``_buffers.unpack``).
-    The caller must have checked that a sync is
-    needed (``_transport.world_of(group)`` is not None). When every rank reports ``synced``, or nobody holds any
-    bytes, the data exchange is skipped on every rank alike.
+    The caller must have checked that a sync is needed (``_transport.world_of(group)`` is not None). When every rank
+    reports ``synced``, or nobody holds any bytes, the data exchange is skipped on every rank alike; when ``stop``
+    says so from the metadata table, the sync ends there and returns ``(None, [])`` (every rank sees the same table).
     """
     world = _transport.world_of(group)
     assert world is not None
@@ -39,6 +40,8 @@ def exchange_entries(
     what = f"sync of {label}"
     record = _protocol.describe(entries, context, label, synced)
     table = exchange_records(record, group, device, timeout, what)
+    if stop is not None and stop(table):
+        return None, []
     plan = _protocol.make_plan(table, what)
     if plan.all_synced:
         return plan, []

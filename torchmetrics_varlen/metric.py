@@ -15,6 +15,7 @@ from torchmetrics.utilities.prints import rank_zero_warn
 from torchmetrics_varlen import _transport
 from torchmetrics_varlen._state_sync import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
+from torchmetrics_varlen.join import JoinableMetric
 
 __all__ = ["Metric", "rebase"]
 
@@ -41,7 +42,7 @@ def local_state_copy(metric: StockMetric) -> StateDict:
     return {name: list(value) if isinstance(value, list) else value for name, value in states.items()}
 
 
-class Metric(StockMetric):
+class Metric(StockMetric, JoinableMetric):
     """Base class for metrics that sync all their states at once and stay exact on uneven and empty ranks.
 
     Write a metric exactly as for :class:`torchmetrics.Metric` (``add_state``, ``update``, ``compute``) and subclass
@@ -56,6 +57,10 @@ class Metric(StockMetric):
       further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
       ``compute()`` decides on the ``compute()`` cache together with the other ranks, so a rank with a stale cache
       cannot leave the others waiting.
+    * **Join.** It is a :class:`~torch.distributed.algorithms.join.Joinable`: inside
+      ``with Join([ddp_model, metric]):`` (or ``Join([metric])``) ranks that ran out of data take part in the
+      per-step syncs (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done. One
+      per-step sync per iteration; ``dist_reduce_fx="mean"`` states would count the empty ranks.
     * **Clear failures.** Ranks syncing different metrics, layouts or phases raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
       :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
@@ -94,6 +99,10 @@ class Metric(StockMetric):
             raise ValueError(f"Expected keyword argument `sync_grads` to be a `bool` but got {sync_grads!r}")
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
+        self._init_join()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._join_state_for_pickle(super().__getstate__())
 
     # ----------------------------------------------------------------------------------------------------- sync
     def _sync_phase(self) -> str:
@@ -111,6 +120,8 @@ class Metric(StockMetric):
     def _exchange(self, process_group: Any, cached: bool) -> StateDict | None:
         group = process_group or self.process_group
         phase = self._sync_phase()
+        if phase == "step":
+            group = self._step_sync_group(group)
         label = f"{type(self).__name__}.{phase}"
         synced = sync_states([self], group, phase=phase, label=label, timeout=self.sync_timeout, cached=cached)
         return None if synced is None else synced[0]

@@ -1,0 +1,134 @@
+"""Join: ranks with fewer steps shadow the metric's per-step syncs; nothing hangs; values stay exact."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import run_distributed
+from torch.distributed.algorithms.join import Join
+
+from torchmetrics_varlen import Metric, gather_all_tensors
+
+
+class BatchMSE(Metric):
+    """Mean squared error over the global batch; a loss with per-step syncs."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(dist_sync_on_step=True, **kwargs)
+        self.add_state("sse", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0), dist_reduce_fx="sum")
+        self.add_state("seen", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds, target):
+        self.sse = self.sse + ((preds.double() - target.double()) ** 2).sum()
+        self.count = self.count + target.numel()
+        self.seen.append(target.double())
+
+    def compute(self):
+        return self.sse / self.count
+
+
+STEPS = {2: [10, 7], 3: [10, 7, 0]}
+
+
+def _batches(rank, steps, seed=0):
+    gen = torch.Generator().manual_seed(100 + rank + seed)
+    # Uneven batch sizes too: 3..5 samples.
+    return [(torch.randn(3 + (s + rank) % 3, 4, generator=gen), torch.randn(3 + (s + rank) % 3, generator=gen))
+            for s in range(steps)]
+
+
+def body_join_ddp_loss(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    metric = BatchMSE()
+    seen_preds, seen_target, step_values, step_expected = [], [], [], []
+    with Join([model, metric]):
+        for x, y in _batches(rank, STEPS[world_size][rank]):
+            preds = model(x.double()).squeeze(-1)
+            loss = metric(preds, y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen_preds.append(preds.detach())
+            seen_target.append(y.double())
+            step_values.append(loss.detach())
+    epoch = metric.compute()
+    metric._forward_cache = None  # holds the last loss with its graph, which deepcopy refuses (stock behaviour)
+    copied = metric.clone()  # a process group and a thread cannot be copied: the copy starts outside Join
+    assert copied._join_group is None and metric._join_group is not None
+    torch.testing.assert_close(copied.compute(), epoch)
+    # Reference: every sample any rank evaluated, gathered after the fact and scored by one process.
+    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
+    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
+    all_p = torch.cat(gather_all_tensors(local_p))
+    all_t = torch.cat(gather_all_tensors(local_t))
+    return {"epoch": epoch, "expected": ((all_p - all_t) ** 2).mean(), "steps": len(step_values)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_with_ddp_loss_does_not_hang_and_is_exact(world_size):
+    results = run_distributed(body_join_ddp_loss, world_size, deadline=90, fresh=True)
+    for rank, result in enumerate(results):
+        assert result["steps"] == STEPS[world_size][rank]
+        torch.testing.assert_close(result["epoch"], result["expected"])
+
+
+def body_join_metric_alone(rank, world_size):
+    metric = BatchMSE()
+    batches = _batches(rank, STEPS[world_size][rank], seed=1)
+    values = []
+    with Join([metric]):
+        for x, y in batches:
+            values.append(metric(x[:, 0].double(), y))
+    epoch = metric.compute()
+    # Per-step truth: at step s, the global batch is the batches of the ranks that still have a step s.
+    everything = [_batches(r, STEPS[world_size][r], seed=1) for r in range(world_size)]
+    expected_steps = []
+    for step in range(len(batches)):
+        xs = torch.cat([b[step][0][:, 0] for b in everything if step < len(b)]).double()
+        ys = torch.cat([b[step][1] for b in everything if step < len(b)]).double()
+        expected_steps.append(((xs - ys) ** 2).mean())
+    xs = torch.cat([x[:, 0] for b in everything for x, _ in b]).double()
+    ys = torch.cat([y for b in everything for _, y in b]).double()
+    return {"values": values, "expected_steps": expected_steps, "epoch": epoch, "expected": ((xs - ys) ** 2).mean()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_with_metric_alone_gives_global_batch_values(world_size):
+    for result in run_distributed(body_join_metric_alone, world_size, deadline=60, fresh=True):
+        assert len(result["values"]) == len(result["expected_steps"])
+        for got, expected in zip(result["values"], result["expected_steps"]):
+            torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(result["epoch"], result["expected"])
+
+
+def body_join_rejects_sync_grads(rank, world_size):
+    metric = BatchMSE(sync_grads=True)
+    try:
+        with Join([metric]):
+            pass
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+def test_join_rejects_sync_grads_clearly():
+    for message in run_distributed(body_join_rejects_sync_grads, 2, deadline=60, fresh=True):
+        assert message is not None and "sync_grads" in message
+
+
+def body_join_config_is_joinable(rank, world_size):
+    metric = BatchMSE()
+    return {
+        "device": str(metric.join_device),
+        "group_is_world": metric.join_process_group is dist.group.WORLD,
+        "enabled": metric._join_config.enable,
+    }
+
+
+def test_metric_is_a_joinable_with_a_disabled_config_outside_join():
+    for result in run_distributed(body_join_config_is_joinable, 2):
+        assert result == {"device": "cpu", "group_is_world": True, "enabled": False}
