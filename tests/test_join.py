@@ -44,7 +44,7 @@ def body_join_ddp_loss(rank, world_size):
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     metric = BatchMSE()
-    seen_preds, seen_target, step_values, step_expected = [], [], [], []
+    seen_preds, seen_target, step_values = [], [], []
     with Join([model, metric]):
         for x, y in _batches(rank, STEPS[world_size][rank]):
             preds = model(x.double()).squeeze(-1)
