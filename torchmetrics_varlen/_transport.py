@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torchmetrics_varlen import _arrivals
 from torchmetrics_varlen.errors import SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -76,15 +77,29 @@ def exchange_metadata(
     world_size = dist.get_world_size(group)
     local = torch.tensor(record, dtype=torch.int64, device=device)
     table = torch.empty(world_size * len(record), dtype=torch.int64, device=device)
+    number = _arrivals.next_sync_number(group)
     if timeout is None:
         _gather_equal(table, local, group)
     else:
         work = _gather_equal(table, local, group, async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-        except RuntimeError as err:
-            raise SyncTimeoutError(_timeout_message(what, timeout, group)) from err
+        # A short first wait, then a note in the store saying where this rank waits: nothing extra when all is well.
+        if not _wait(work, min(_arrivals.NOTE_AFTER, timeout)):
+            _arrivals.note_waiting(number, what)
+            if not _wait(work, max(timeout - _arrivals.NOTE_AFTER, 0.0)):
+                missing = _arrivals.describe_missing(group, number)
+                raise SyncTimeoutError(_timeout_message(what, timeout, group, missing))
     return table.view(world_size, len(record)).tolist()  # type: ignore[no-any-return]
+
+
+def _wait(work: Any, seconds: float) -> bool:
+    """Wait for ``work``; False if it is still pending after ``seconds``. Other failures propagate."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except RuntimeError as err:
+        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
+            return False
+        raise
+    return True
 
 
 def exchange_payload(buffer: Tensor, nbytes: list[int], group: ProcessGroup | None) -> list[Tensor]:
@@ -99,11 +114,12 @@ def exchange_payload(buffer: Tensor, nbytes: list[int], group: ProcessGroup | No
     return list(output.view(world_size, buffer.numel()).unbind(0))
 
 
-def _timeout_message(what: str, timeout: float, group: ProcessGroup | None) -> str:
+def _timeout_message(what: str, timeout: float, group: ProcessGroup | None, missing: str = "") -> str:
     rank = dist.get_rank(group)
     return (
         f"{what}: rank {rank} waited {timeout:g} s for the other ranks to arrive at this sync; at least one never did."
-        " Usual causes: ranks that run different numbers of steps (uneven data without"
+        + (f" {missing}" if missing else "")
+        + " Usual causes: ranks that run different numbers of steps (uneven data without"
         " `torch.distributed.algorithms.join.Join`), or `compute()` / `self.log(...)` called on rank 0 only (for"
         " example inside `if trainer.is_global_zero:`): every rank must run the same syncs in the same order."
         " The process group now has a pending collective and should not be used for anything else."
