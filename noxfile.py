@@ -67,6 +67,6 @@ def compat(session: nox.Session, torchmetrics: str) -> None:
     """The test-suite against the oldest supported and the newest torchmetrics."""
     _install(session, "-e", ".[test]")
     spec = "torchmetrics" if torchmetrics == "latest" else f"torchmetrics=={torchmetrics}"
-    _install(session, "--upgrade" if torchmetrics == "latest" else "--force-reinstall", spec)
+    _install(session, "--upgrade" if torchmetrics == "latest" else "--force-reinstall", "--no-deps", spec)
     session.run("python", "-c", "import torchmetrics; print('torchmetrics', torchmetrics.__version__)")
     session.run("python", "-m", "pytest", "-q", "-x", *session.posargs)
