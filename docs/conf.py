@@ -68,3 +68,39 @@ def _ensure_generated_files() -> None:
 
 
 _ensure_generated_files()
+
+
+def _public_bases(app, name, obj, options, bases):
+    """Show base classes by their public, unambiguous names (two classes are called ``Metric``)."""
+    import torchmetrics
+    from torch.distributed.algorithms.join import Joinable
+
+    for index, base in enumerate(bases):
+        if not isinstance(base, type):
+            continue
+        module, short = base.__module__, base.__name__
+        if module.startswith("torchmetrics_varlen.join"):
+            bases[index] = f":py:class:`{Joinable.__module__}.{Joinable.__name__}`"
+        elif module.startswith("torchmetrics_varlen") and short in torchmetrics_varlen.__all__:
+            bases[index] = f":py:class:`torchmetrics_varlen.{short}`"
+        elif module.startswith("torchmetrics.") and getattr(torchmetrics, short, None) is base:
+            bases[index] = f":py:class:`torchmetrics.{short}`"
+
+
+def _check_api_page(app):
+    """Fail the build (under -W) when a name of ``torchmetrics_varlen.__all__`` is missing from api.rst."""
+    import re
+
+    from sphinx.util import logging
+
+    text = (HERE / "api.rst").read_text()
+    documented = set(re.findall(r"^\.\. (?:auto\w+|py:\w+):: torchmetrics_varlen\.(\w+)", text, flags=re.MULTILINE))
+    for name in sorted(set(torchmetrics_varlen.__all__) - documented):
+        logging.getLogger(__name__).warning(
+            "torchmetrics_varlen.%s is public (in __all__) but not documented in api.rst", name, location="api"
+        )
+
+
+def setup(app):
+    app.connect("autodoc-process-bases", _public_bases)
+    app.connect("builder-inited", _check_api_page)

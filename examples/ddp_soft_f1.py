@@ -1,7 +1,7 @@
 """Train a small classifier with DDP on gloo CPU, with a soft-F1 loss over the global batch.
 
 Every rank holds a different amount of data (so ranks run different numbers of steps): the loss is synced across
-ranks at every step with exact gradients (``sync_grads=True``), and ``Join`` lets ranks that ran out of data shadow
+ranks at every step, and ``Join`` lets ranks that ran out of data shadow
 the others, so nothing hangs.
 
     python examples/ddp_soft_f1.py --world-size 2 --steps 5      # spawns its own processes

@@ -111,7 +111,7 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         sync_grads: make the gather differentiable across ranks (every rank must then run the backward pass).
 
     Returns:
-        One tensor per rank of ``group``: element i is rank i's tensor with its true shape and dtype.
+        A list with one tensor per rank of ``group``; element i is rank i's tensor with its true shape and dtype.
 
     Example:
         Without a process group the tensor comes back alone, untouched:

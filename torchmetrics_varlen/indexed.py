@@ -83,7 +83,7 @@ class IndexedMetric(Metric):
 
     The inputs are kept as ``cat`` states, so memory grows with the data set like ``BinaryAUROC(thresholds=None)``
     does; with ``compute_on_rank=r`` only rank ``r`` gathers them (see
-    :func:`~torchmetrics_varlen.onerank.compute_on_rank`). In a :class:`~torchmetrics_varlen.MetricCollection` the
+    :func:`~torchmetrics_varlen.compute_on_rank`). In a :class:`~torchmetrics_varlen.MetricCollection` the
     collection syncs its members together, so there ``compute_on_rank`` is not used; several ``IndexedMetric``
     members with the same arguments form one compute group and their inputs travel once.
 
