@@ -55,8 +55,16 @@ def draw_protocol(path: Path = PROTOCOL_PNG) -> Path:
 
     def band(y: float, text: str) -> None:
         ax.add_patch(Rectangle((col_x[0] - 1.5, y), col_x[-1] + col_w + 3 - col_x[0], 4.2, fc=BAND_COLOUR, ec="none"))
-        ax.text((col_x[0] + col_x[-1] + col_w) / 2, y + 2.1, text, ha="center", va="center", fontsize=9.5,
-                color="white", weight="bold")
+        ax.text(
+            (col_x[0] + col_x[-1] + col_w) / 2,
+            y + 2.1,
+            text,
+            ha="center",
+            va="center",
+            fontsize=9.5,
+            color="white",
+            weight="bold",
+        )
 
     def step(y: float, number: str, title: str, note: str = "") -> None:
         ax.text(1, y, f"{number}  {title}", ha="left", va="center", fontsize=10.5, weight="bold", color=TEXT_COLOUR)
@@ -67,8 +75,17 @@ def draw_protocol(path: Path = PROTOCOL_PNG) -> Path:
         if filled:
             ax.add_patch(Rectangle((x, y), filled * unit, h, fc=colour, ec="white", lw=0.6))
         if total - filled:
-            ax.add_patch(Rectangle((x + filled * unit, y), (total - filled) * unit, h, fc=PAD_COLOUR, ec="#999999",
-                                   lw=0.6, hatch="////"))
+            ax.add_patch(
+                Rectangle(
+                    (x + filled * unit, y),
+                    (total - filled) * unit,
+                    h,
+                    fc=PAD_COLOUR,
+                    ec="#999999",
+                    lw=0.6,
+                    hatch="////",
+                )
+            )
 
     # Ranks.
     titles = ("rank 0: 7 samples", "rank 1: 3 samples", "rank 2: no data")
@@ -87,13 +104,19 @@ def draw_protocol(path: Path = PROTOCOL_PNG) -> Path:
 
     # 3. plan.
     step(70.5, "3", "plan", "the same table on every rank")
-    box(col_x[0], 62.5, col_x[-1] + col_w - col_x[0], 11,
+    box(
+        col_x[0],
+        62.5,
+        col_x[-1] + col_w - col_x[0],
+        11,
         "one table, one decision, on every rank alike:\n"
         "ranks disagree (metric, phase, dtype, ndim)?  SyncMismatchError on every rank, before any data moves\n"
         "byte layout of each rank's buffer; transfer size = the largest payload\n"
         "empty rank 2 takes the peers' dtype and trailing shape\n"
         "every rank cached, or no bytes anywhere?  stop here, on every rank",
-        PLAN_COLOUR, size=8.4)
+        PLAN_COLOUR,
+        size=8.4,
+    )
 
     # 4. pack.
     step(57.5, "4", "pack", "one uint8 buffer, padded to the largest")
@@ -118,29 +141,61 @@ def draw_protocol(path: Path = PROTOCOL_PNG) -> Path:
                 ax.text(col_x[r] + 2.2, y + 1.2, "empty, peers' dtype", va="center", fontsize=7, color="#444444")
             if source == r:
                 ax.add_patch(Rectangle((col_x[r] - 0.6, y - 0.4), col_w + 1.2, 3.2, fc="none", ec="black", lw=1.6))
-        ax.text(col_x[r] + col_w / 2, 32.2, "own slot = the caller's tensor\n(keeps its autograd graph)",
-                ha="center", va="center", fontsize=7.3, color="#444444")
+        ax.text(
+            col_x[r] + col_w / 2,
+            32.2,
+            "own slot = the caller's tensor\n(keeps its autograd graph)",
+            ha="center",
+            va="center",
+            fontsize=7.3,
+            color="#444444",
+        )
 
     # 7. reduce.
     step(25.5, "7", "reduce")
-    box(col_x[0], 21, col_x[-1] + col_w - col_x[0], 6.5,
+    box(
+        col_x[0],
+        21,
+        col_x[-1] + col_w - col_x[0],
+        6.5,
         "as torchmetrics: sum / mean / max / min / custom over the stacked ranks;\n"
         "cat: 7 + 3 + 0 = 10 samples, one view per rank, joined by dim_zero_cat in compute()",
-        "white", size=8.5)
+        "white",
+        size=8.5,
+    )
 
     # Legend.
     legend_y = 13
-    items = [(RANK_COLOURS[0], "white", "", "data of rank 0"), (RANK_COLOURS[1], "white", "", "data of rank 1"),
-             (PAD_COLOUR, "#999999", "////", "padding (never returned)"), ("none", "black", "", "this rank's own slot")]
+    items = [
+        (RANK_COLOURS[0], "white", "", "data of rank 0"),
+        (RANK_COLOURS[1], "white", "", "data of rank 1"),
+        (PAD_COLOUR, "#999999", "////", "padding (never returned)"),
+        ("none", "black", "", "this rank's own slot"),
+    ]
     for i, (face, edge, hatch, label) in enumerate(items):
         x = col_x[0] + 24 * i - (0 if i < 3 else -4)
         ax.add_patch(Rectangle((x, legend_y), 3, 2, fc=face, ec=edge, hatch=hatch, lw=1.2))
         ax.text(x + 4, legend_y + 1, label, va="center", fontsize=8)
-    ax.text(60, 7, "Every rank issues the same collectives in the same order, whatever it holds: "
-            "two per sync, no barrier.", ha="center", va="center", fontsize=9.5, style="italic", color=TEXT_COLOUR)
-    ax.text(60, 3.5, "sync_grads=True adds one all_reduce in backward;  compute_on_rank replaces collective 2 by a "
-            "gather to one rank and a broadcast of the result.", ha="center", va="center", fontsize=8,
-            color="#444444")
+    ax.text(
+        60,
+        7,
+        "Every rank issues the same collectives in the same order, whatever it holds: two per sync, no barrier.",
+        ha="center",
+        va="center",
+        fontsize=9.5,
+        style="italic",
+        color=TEXT_COLOUR,
+    )
+    ax.text(
+        60,
+        3.5,
+        "sync_grads=True adds one all_reduce in backward;  compute_on_rank replaces collective 2 by a "
+        "gather to one rank and a broadcast of the result.",
+        ha="center",
+        va="center",
+        fontsize=8,
+        color="#444444",
+    )
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, bbox_inches="tight", metadata={"Software": None})
@@ -153,8 +208,15 @@ def draw_bench_placeholder(path: Path = BENCH_PNG) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.axis("off")
-    ax.text(0.5, 0.5, "No benchmark run yet.\nRun  python -m nox -s bench  to draw this plot.",
-            ha="center", va="center", fontsize=14, transform=ax.transAxes)
+    ax.text(
+        0.5,
+        0.5,
+        "No benchmark run yet.\nRun  python -m nox -s bench  to draw this plot.",
+        ha="center",
+        va="center",
+        fontsize=14,
+        transform=ax.transAxes,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)

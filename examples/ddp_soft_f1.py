@@ -61,7 +61,10 @@ def train(rank: int, world_size: int, steps: int) -> None:
 
 def _spawned(rank: int, world_size: int, steps: int, init_file: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=60),
     )
     try:

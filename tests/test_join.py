@@ -35,8 +35,10 @@ STEPS = {2: [10, 7], 3: [10, 7, 0]}
 def _batches(rank, steps, seed=0):
     gen = torch.Generator().manual_seed(100 + rank + seed)
     # Uneven batch sizes too: 3..5 samples.
-    return [(torch.randn(3 + (s + rank) % 3, 4, generator=gen), torch.randn(3 + (s + rank) % 3, generator=gen))
-            for s in range(steps)]
+    return [
+        (torch.randn(3 + (s + rank) % 3, 4, generator=gen), torch.randn(3 + (s + rank) % 3, generator=gen))
+        for s in range(steps)
+    ]
 
 
 def body_join_ddp_loss(rank, world_size):
@@ -70,10 +72,40 @@ def body_join_ddp_loss(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_join_with_ddp_loss_does_not_hang_and_is_exact(world_size):
-    results = run_distributed(body_join_ddp_loss, world_size, deadline=90, fresh=True)
+    # Shared pools: a passing Join leaves nothing pending (a hang hits the deadline, which closes the pool).
+    results = run_distributed(body_join_ddp_loss, world_size, deadline=60)
     for rank, result in enumerate(results):
         assert result["steps"] == STEPS[world_size][rank]
         torch.testing.assert_close(result["epoch"], result["expected"])
+
+
+def body_join_several_syncs_per_iteration(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    first, second = BatchMSE(), BatchMSE()
+    seen_preds, seen_target = [], []
+    with Join([model, first, second]):
+        for x, y in _batches(rank, STEPS[world_size][rank], seed=2):
+            preds = model(x.double()).squeeze(-1)
+            loss = first(preds, y) + first(preds, y) + second(preds, y)  # three per-step syncs per iteration
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen_preds.append(preds.detach())
+            seen_target.append(y.double())
+    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
+    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
+    all_p, all_t = torch.cat(gather_all_tensors(local_p)), torch.cat(gather_all_tensors(local_t))
+    expected = ((all_p - all_t) ** 2).mean()
+    return {"first": first.compute(), "second": second.compute(), "expected": expected}
+
+
+def test_join_shadows_several_syncs_per_iteration():
+    # The shadow answers whatever per-step syncs come: it does not count iterations.
+    for result in run_distributed(body_join_several_syncs_per_iteration, 3, deadline=60):
+        torch.testing.assert_close(result["second"], result["expected"])
+        torch.testing.assert_close(result["first"], result["expected"])  # each update appears twice: same mean
 
 
 def body_join_metric_alone(rank, world_size):
@@ -98,26 +130,39 @@ def body_join_metric_alone(rank, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_join_with_metric_alone_gives_global_batch_values(world_size):
-    for result in run_distributed(body_join_metric_alone, world_size, deadline=60, fresh=True):
+    for result in run_distributed(body_join_metric_alone, world_size, deadline=60):
         assert len(result["values"]) == len(result["expected_steps"])
         for got, expected in zip(result["values"], result["expected_steps"]):
             torch.testing.assert_close(got, expected)
         torch.testing.assert_close(result["epoch"], result["expected"])
 
 
-def body_join_rejects_sync_grads(rank, world_size):
-    metric = BatchMSE(sync_grads=True)
+def body_join_refuses_what_it_cannot_shadow(rank, world_size):
+    messages = {}
     try:
-        with Join([metric]):
+        with Join([BatchMSE(sync_grads=True)]):
             pass
     except RuntimeError as err:
-        return str(err)
-    return None
+        messages["sync_grads"] = str(err)
+    # The metric before the DDP model: DDP's forward collectives would come before the count of running ranks.
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    metric = BatchMSE()
+    try:
+        with Join([metric, model]):
+            pass
+    except ValueError as err:
+        messages["order"] = str(err)
+    # The refused Join left the metric as it was: per-step syncs on its own group, outside any Join.
+    value = metric(torch.full((2,), float(rank)), torch.zeros(2))
+    return {"messages": messages, "join_active": metric._join_active, "value": value.item()}
 
 
-def test_join_rejects_sync_grads_clearly():
-    for message in run_distributed(body_join_rejects_sync_grads, 2, deadline=60, fresh=True):
-        assert message is not None and "sync_grads" in message
+def test_join_refuses_what_it_cannot_shadow_on_every_rank():
+    for result in run_distributed(body_join_refuses_what_it_cannot_shadow, 2, deadline=60):
+        assert "sync_grads" in result["messages"]["sync_grads"]
+        assert "Join([ddp_model, metric])" in result["messages"]["order"]
+        assert result["join_active"] is False
+        assert result["value"] == 0.5  # (0 + 0 + 1 + 1) / 4: the global batch
 
 
 def body_join_config_is_joinable(rank, world_size):

@@ -310,8 +310,10 @@ def test_rebased_metric_unpickles_in_a_fresh_process(tmp_path):
     path.write_bytes(pickle.dumps(metric))
     code = f"import pickle; m = pickle.load(open({str(path)!r}, 'rb')); print(type(m).__name__, m.compute().item())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == ["VarlenBinaryAUROC", str(BinaryAUROC(thresholds=None)(
-        torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1])).item())]
+    assert out.stdout.split() == [
+        "VarlenBinaryAUROC",
+        str(BinaryAUROC(thresholds=None)(torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1])).item()),
+    ]
 
 
 def test_rebase_rejects_non_metrics_and_keeps_ours():

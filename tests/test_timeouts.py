@@ -1,13 +1,15 @@
-"""A rank that never arrives: the others raise SyncTimeoutError naming it, within about the timeout."""
+"""Ranks that never arrive: the others raise SyncTimeoutError naming them, within about the timeout; mismatches."""
 
+import os
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import run_distributed
 from torchmetrics.aggregation import SumMetric
 
-from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _arrivals, rebase
+from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _transport, rebase
 
 
 class Total(Metric):
@@ -34,38 +36,62 @@ class Count(Metric):
         return self.count
 
 
-def body_compute_on_some_ranks_only(rank, world_size, absent, timeout=None):
-    """Field report 5: compute() inside `if is_global_zero:` (or on all ranks but one)."""
-    metric = Total() if timeout is None else Total(sync_timeout=timeout)
+def body_timeouts(rank, world_size, absent):
+    """Two syncs that never complete, in one fresh pool (each leaves a collective pending on its own group)."""
+    # 1. Field report 5: compute() inside `if is_global_zero:` (here: on all ranks but one), on the default group,
+    #    with the sync timeout taken from the environment.
+    os.environ["TORCHMETRICS_VARLEN_SYNC_TIMEOUT"] = "2"
+    metric = Total()
+    del os.environ["TORCHMETRICS_VARLEN_SYNC_TIMEOUT"]
     metric.update(torch.ones(3))
-    if rank == absent:
-        return {"skipped": True}
-    start = time.monotonic()
+    # A slow sync first: the absent rank waits there long enough to note it in the store. Once that sync completes,
+    # the note must not make the absent rank look "waiting at sync #1" when the next sync times out.
+    if rank != absent:
+        time.sleep(_transport.NOTE_AFTER + 0.5)
+    metric.compute()
+    metric.update(torch.ones(3))
+    missing = None
+    if rank != absent:
+        start = time.monotonic()
+        try:
+            metric.compute()
+        except SyncTimeoutError as err:
+            missing = {"message": str(err), "seconds": time.monotonic() - start}
+    # 2. Ranks waiting at syncs of different process groups: each names the others and where they wait.
+    first, second = dist.new_group(), dist.new_group()
+    other = Total(process_group=first, sync_timeout=2) if rank == 0 else Count(process_group=second, sync_timeout=2)
+    other.update(torch.ones(2))
     try:
-        metric.compute()
+        other.compute()
     except SyncTimeoutError as err:
-        return {"message": str(err), "seconds": time.monotonic() - start}
-    return {"message": None}
+        elsewhere = str(err)
+    else:
+        elsewhere = None
+    return {"missing": missing, "elsewhere": elsewhere, "groups": (first.group_name, second.group_name)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_missing_rank_is_named_within_the_timeout(world_size):
+def test_missing_ranks_are_named_within_the_timeout(world_size):
     absent = world_size - 1
-    results = run_distributed(body_compute_on_some_ranks_only, world_size, absent, 3.0, deadline=60, fresh=True)
+    results = run_distributed(body_timeouts, world_size, absent, deadline=60, fresh=True)
+    first, second = results[0]["groups"]
     for rank, result in enumerate(results):
-        if rank == absent:
-            continue
-        assert result["message"] is not None, "expected SyncTimeoutError"
-        assert f"Missing: ranks [{absent}]" in result["message"]
-        assert "is_global_zero" in result["message"] and "Join" in result["message"]
-        assert 2.5 <= result["seconds"] < 20
-
-
-def test_timeout_default_comes_from_the_environment():
-    env = {"TORCHMETRICS_VARLEN_SYNC_TIMEOUT": "2"}
-    results = run_distributed(body_compute_on_some_ranks_only, 2, 1, deadline=60, fresh=True, env=env)
-    assert results[0]["message"] is not None
-    assert "waited 2 s" in results[0]["message"]
+        if rank != absent:
+            missing = result["missing"]
+            assert missing is not None, "expected SyncTimeoutError"
+            assert "waited 2 s" in missing["message"]
+            assert f"Missing: ranks [{absent}] are not waiting" in missing["message"], missing["message"]
+            assert "waits at another sync" not in missing["message"], "a stale note was read"
+            assert "is_global_zero" in missing["message"] and "Join" in missing["message"]
+            assert 1.5 <= missing["seconds"] < 15
+        elsewhere = result["elsewhere"]
+        assert elsewhere is not None and "Missing" not in elsewhere, elsewhere
+        for peer in range(world_size):
+            if (peer == 0) != (rank == 0):  # ranks 1.. wait together on the second group: "arrived" to each other
+                what, group = ("Total", first) if peer == 0 else ("Count", second)
+                assert f"Rank {peer} waits at another sync: sync of {what}.compute (process group {group})" in (
+                    elsewhere
+                ), elsewhere
 
 
 def body_different_metrics(rank, world_size):
@@ -90,13 +116,25 @@ def test_different_metrics_raise_mismatch_on_every_rank(world_size):
         assert result["after"] == world_size  # no rank was left inside a collective
 
 
-def body_store_is_reachable(rank, world_size):
-    return _arrivals._store() is not None
+def body_store_notes(rank, world_size):
+    """The private store access works, and a quick sync never touches the store."""
+    reachable = _transport._store() is not None
+    calls = []
+    original = _transport._store
+    _transport._store = lambda: calls.append(1) or original()
+    try:
+        metric = Total(sync_timeout=30)
+        metric.update(torch.ones(2))
+        value = metric.compute().item()
+    finally:
+        _transport._store = original
+    return {"reachable": reachable, "store_calls": len(calls), "value": value}
 
 
-def test_private_store_access_still_works():
+def test_store_is_reachable_and_quick_syncs_do_not_touch_it():
     # torch.distributed.distributed_c10d._get_default_store is private: a torch release that drops it fails here.
-    assert all(run_distributed(body_store_is_reachable, 2))
+    for result in run_distributed(body_store_notes, 2):
+        assert result == {"reachable": True, "store_calls": 0, "value": 4.0}
 
 
 def test_invalid_timeout_values_are_rejected():

@@ -26,9 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(args.world_size)
     from torchmetrics_varlen.bench import main as bench_main
 
-    return int(
-        bench_main(args.world_size, args.repeats, args.json_path, args.plot_path, args.quick, args.table_path)
-    )
+    return int(bench_main(args.world_size, args.repeats, args.json_path, args.plot_path, args.quick, args.table_path))
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ class StackedRanks(list[Tensor]):
         super().__setitem__(index, value)
 
 
-
 _SEND_BUFFERS: dict[torch.device, Tensor] = {}
 SEND_BUFFER_CACHE_BYTES = 64 * 2**20
 

@@ -1,4 +1,4 @@
-"""The only module that talks to ``torch.distributed``: world queries, the two exchanges, the backend choice.
+"""The module that runs the sync's collectives: world queries, the two exchanges, the backend choice, timeouts.
 
 What runs where:
 
@@ -8,6 +8,10 @@ What runs where:
   states, for example with ``compute_on_cpu=True``, are moved there for the transfer and back afterwards), and the data
   exchange uses NCCL's list ``all_gather``, which accepts unequal sizes, so nothing is padded.
 * any other backend: buffers stay on the device of the first tensor, the exchange is the padded equal-size gather.
+
+A metadata exchange with a sync timeout waits asynchronously; a rank still waiting after a short slice notes where it
+waits in the process group's store, so that the ranks whose timeout expires can name the ranks that never arrived
+(gloo and NCCL alike: every process group has a store). Quick exchanges pay nothing for this.
 
 Collectives are looked up on ``torch.distributed`` at call time, so tests can count them by wrapping those functions.
 """
@@ -20,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _arrivals
 from torchmetrics_varlen.errors import SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -73,33 +76,116 @@ def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None, asy
 def exchange_metadata(
     record: list[int], group: ProcessGroup | None, device: torch.device, timeout: float | None, what: str
 ) -> list[list[int]]:
-    """Collective 1: every rank's fixed-size record, as nested Python ints (one device-to-host copy)."""
+    """Collective 1: every rank's fixed-size record, as nested Python ints (one device-to-host copy).
+
+    With a ``timeout``, a rank that is still waiting after a short first slice notes in the store where it waits, so
+    that a rank whose timeout expires can name the ranks that never arrived (see :func:`_describe_missing`). A quick
+    exchange touches no store.
+    """
     world_size = dist.get_world_size(group)
     local = torch.tensor(record, dtype=torch.int64, device=device)
     table = torch.empty(world_size * len(record), dtype=torch.int64, device=device)
-    number = _arrivals.next_sync_number(group)
+    key = group if group is not None else dist.group.WORLD
+    number = _SYNC_NUMBERS[key] = _SYNC_NUMBERS.get(key, 0) + 1
     if timeout is None:
         _gather_equal(table, local, group)
     else:
         work = _gather_equal(table, local, group, async_op=True)
-        # A short first wait, then a note in the store saying where this rank waits: nothing extra when all is well.
-        if not _wait(work, min(_arrivals.NOTE_AFTER, timeout)):
-            _arrivals.note_waiting(number, what)
-            if not _wait(work, max(timeout - _arrivals.NOTE_AFTER, 0.0)):
-                missing = _arrivals.describe_missing(group, number)
-                raise SyncTimeoutError(_timeout_message(what, timeout, group, missing))
+        first = min(NOTE_AFTER, timeout / 2)  # the note is always written before the timeout expires
+        if not _wait(work, first):
+            store = _store()
+            note = f"{_group_tag(group)}|{number}|{what}"
+            _set_note(store, note)
+            if not _wait(work, timeout - first):
+                raise SyncTimeoutError(_timeout_message(what, timeout, group, _describe_missing(store, group, note)))
+            _set_note(store, "")  # arrived: an old note must not describe this rank at a later timeout
     return table.view(world_size, len(record)).tolist()  # type: ignore[no-any-return]
 
 
 def _wait(work: Any, seconds: float) -> bool:
     """Wait for ``work``; False if it is still pending after ``seconds``. Other failures propagate."""
     try:
-        work.wait(timeout=datetime.timedelta(seconds=seconds))
+        # At least 1 ms: a zero timeout means "the process group's own timeout" to c10d.
+        work.wait(timeout=datetime.timedelta(seconds=max(seconds, 0.001)))
     except RuntimeError as err:
         if "timed out" in str(err).lower() or "timeout" in str(err).lower():
             return False
         raise
     return True
+
+
+# ------------------------------------------------------------------------------ who is waiting where (timeouts)
+# A rank that has waited ``NOTE_AFTER`` seconds at a metadata exchange writes one key to the store every process group
+# has (the rendezvous store): "<group>|<sync number>|<what>", cleared again when the exchange completes. Syncs are
+# numbered per process group on each rank, so ranks that run the same syncs agree on the numbers. When a timeout
+# expires, the waiting rank reads every peer's key: the same group and number means "arrived"; another note means
+# "waits at another sync"; no note means the peer is not waiting at any sync of this package (it never got here).
+# The store is reached through a private function of torch.distributed (covered by a test); without it, the error
+# names no ranks. Nothing of this runs on a sync that completes within the first slice.
+
+NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits
+_SYNC_NUMBERS: dict[Any, int] = {}
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _note_key(global_rank: int) -> str:
+    return f"torchmetrics_varlen/waiting/{global_rank}"
+
+
+def _group_tag(group: ProcessGroup | None) -> str:
+    """A name of ``group`` equal on all its ranks (groups are named in creation order)."""
+    pg = group if group is not None else dist.group.WORLD
+    name = getattr(pg, "group_name", None)
+    return str(name) if name else ",".join(map(str, dist.get_process_group_ranks(pg)))
+
+
+def _set_note(store: Any, note: str) -> None:
+    if store is None:
+        return
+    try:
+        store.set(_note_key(dist.get_rank()), note)
+    except RuntimeError:  # a store that went away must not hide the real problem
+        pass
+
+
+def _describe_missing(store: Any, group: ProcessGroup | None, note: str) -> str:
+    """Where the other ranks of ``group`` are, from their notes; empty when the store cannot be read."""
+    if store is None:
+        return ""
+    tag, number, _ = note.split("|", 2)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    me = dist.get_rank()
+    missing: list[str] = []
+    elsewhere: list[str] = []
+    try:
+        for group_rank, global_rank in enumerate(ranks):
+            if global_rank == me:
+                continue
+            name = str(group_rank) if group_rank == global_rank else f"{group_rank} (global rank {global_rank})"
+            key = _note_key(global_rank)
+            seen = store.get(key).decode(errors="replace") if store.check([key]) else ""
+            if not seen:
+                missing.append(name)
+                continue
+            seen_tag, seen_number, seen_what = seen.split("|", 2)
+            if (seen_tag, seen_number) != (tag, number):
+                elsewhere.append(f"Rank {name} waits at another sync: {seen_what} (process group {seen_tag}).")
+    except (RuntimeError, ValueError):
+        return ""
+    parts = [f"Missing: ranks [{', '.join(missing)}] are not waiting at any torchmetrics_varlen sync."]
+    parts = (parts if missing else []) + elsewhere
+    if not parts:
+        parts.append(
+            "Every rank waits at this sync, yet the exchange did not complete (a collective left pending by an"
+            " earlier error pairs with it?)."
+        )
+    return " ".join(parts)
 
 
 def exchange_payload(buffer: Tensor, nbytes: list[int], group: ProcessGroup | None) -> list[Tensor]:

@@ -11,6 +11,13 @@ forward and backward collectives in one call, so a joined rank cannot put the me
 process group. The metric's per-step syncs inside ``Join`` therefore travel on a process group of their own (made
 once per metric, when the first ``Join`` is built), and the joined rank shadows them from a worker thread, while its
 main thread runs DDP's hook.
+
+The shadow does not count iterations: any number of per-step syncs per iteration works (several forwards, several
+metrics, each listed in the ``Join``), as long as the running ranks make them in the same order; the documented
+usage is one metric forward per iteration. Assumptions: no rank calls ``compute()`` inside the ``Join`` block; a DDP
+model comes before the metric in the ``Join`` list (DDP's forward collectives must follow the count of running
+ranks; the other order raises ``ValueError``); every rank of the world builds the ``Join`` (the join group comes
+from ``new_group``, which every rank of the world must call, even for a metric on a subgroup).
 """
 
 import sys
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel
 
 from torchmetrics_varlen import _protocol, _transport
 
@@ -77,25 +85,46 @@ class MetricJoinHook(JoinHook):
             self._errors.append(err)
 
 
-def _run_hook_first(hook: MetricJoinHook) -> None:
-    """Move ``hook`` to the front of the hooks of the ``Join`` being built (found on the call stack).
+def _join_being_built(hook: MetricJoinHook) -> Join | None:
+    """The ``Join`` whose constructor is running and holds ``hook`` (found on the call stack), or None.
 
-    ``Join`` runs its joinables' hooks in list order. With ``Join([ddp_model, metric])``, DDP's hook would block in
-    its backward all-reduces before this metric's hook could start the shadowing thread that lets the running ranks
-    reach their backward pass. This hook only starts a thread, so running it first changes nothing else. If the
-    ``Join`` object cannot be found (a future torch), the order stays as given: put the metric first yourself.
+    None if it cannot be found (a future torch changed ``Join.__init__``; a test watches for that).
     """
     frame: FrameType | None = sys._getframe(1)
     for _ in range(12):
         if frame is None:
-            return
+            return None
         candidate = frame.f_locals.get("self")
         hooks = getattr(candidate, "_join_hooks", None)
         if isinstance(candidate, Join) and isinstance(hooks, list) and hook in hooks:
-            hooks.remove(hook)
-            hooks.insert(0, hook)
-            return
+            return candidate
         frame = frame.f_back
+    return None
+
+
+def _check_order_and_run_hook_first(join: Join, hook: MetricJoinHook, is_first_joinable: bool) -> None:
+    """Refuse a metric listed before a DDP model, and move ``hook`` to the front of the hooks of ``join``.
+
+    The first joinable of a ``Join`` counts the running ranks with an all-reduce at the start of its per-iteration
+    work, and torch requires that count to come before every other joinable's collectives. DDP's forward pass issues
+    collectives (bucket rebuilds, the backward-sync flag) before the metric's per-step sync, so a metric listed before
+    a DDP model would make a joined rank pair those collectives with the wrong ones: the job hangs. Raised on every rank
+    alike, since every rank builds the same ``Join``.
+
+    ``Join`` runs its joinables' hooks in list order. With ``Join([ddp_model, metric])``, DDP's hook would block in
+    its backward all-reduces before this metric's hook could start the shadowing thread that lets the running ranks
+    reach their backward pass. This hook only starts a thread, so running it first changes nothing else.
+    """
+    others = [joinable for joinable in getattr(join, "_joinables", []) if joinable is not hook.metric]
+    if is_first_joinable and any(isinstance(other, DistributedDataParallel) for other in others):
+        raise ValueError(
+            "Expected the DDP model before the metric in `Join` (`Join([ddp_model, metric])`) but the metric came"
+            " first. The first joinable counts the running ranks at the start of each iteration, and DDP's forward"
+            " pass runs before the metric's per-step sync."
+        )
+    hooks: list[JoinHook] = join._join_hooks
+    hooks.remove(hook)
+    hooks.insert(0, hook)
 
 
 def _shadow_once(metric: "Metric") -> bool:
@@ -156,11 +185,20 @@ class JoinableMetric(Joinable):
 
     @_join_config.setter
     def _join_config(self, config: Any) -> None:
-        # Join sets every joinable's config right after it built their hooks: the moment to put this metric's hook
-        # first, so that a joined rank starts shadowing before another joinable's hook (DDP's) blocks.
+        # Join sets every joinable's config right after it built their hooks: the moment to check the order of the
+        # joinables and to put this metric's hook first, so that a joined rank starts shadowing before another
+        # joinable's hook (DDP's) blocks.
         self.__dict__["_join_config_value"] = config
-        if config.enable and self._join_hook is not None:
-            _run_hook_first(self._join_hook)
+        if not (config.enable and self._join_hook is not None):
+            return
+        join = _join_being_built(self._join_hook)
+        if join is None:
+            return
+        try:
+            _check_order_and_run_hook_first(join, self._join_hook, config.is_first_joinable)
+        except ValueError:
+            self._join_active = False  # this Join never runs: per-step syncs go back to the metric's own group
+            raise
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook ``Join`` runs on a rank that ran out of data (called on every rank when ``Join`` is built)."""

@@ -245,8 +245,15 @@ class Metric(StockMetric, JoinableMetric):
 
 
 _M = TypeVar("_M", bound=StockMetric)
-_REBASE_SEARCH = ("torchmetrics", "torchmetrics.classification", "torchmetrics.regression", "torchmetrics.aggregation",
-                  "torchmetrics.retrieval", "torchmetrics.clustering", "torchmetrics.nominal")
+_REBASE_SEARCH = (
+    "torchmetrics",
+    "torchmetrics.classification",
+    "torchmetrics.regression",
+    "torchmetrics.aggregation",
+    "torchmetrics.retrieval",
+    "torchmetrics.clustering",
+    "torchmetrics.nominal",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,57 @@
+"""A real ``lightning.Trainer(strategy="ddp", accelerator="cpu", devices=2)`` under ``torchrun``, as users run it.
+
+Lightning detects torchrun's environment and initialises the gloo process group itself (env://), the path that the
+in-process tests of ``test_lightning.py`` skip. The logged epoch values must equal one process on the full validation
+set. The demo and the example under torchrun are tested by ``test_examples.py``. The rendezvous is ``--standalone``
+(c10d on a free port), so parallel runs on one machine cannot collide, and the run has a hard timeout: a hang fails
+the test instead of stalling the suite.
+"""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+TIMEOUT = 240  # seconds; a healthy run takes 10-25 s on 2 cores
+
+
+def _torchrun(args):
+    """Run torchrun in a session of its own; on timeout kill that whole session (torchrun and its workers)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(
+        [*TORCHRUN, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started: torchrun and its workers
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {TIMEOUT} s\n{stdout[-3000:]}\n{stderr[-5000:]}", pytrace=False)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    return stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+def test_lightning_ddp_strategy_under_torchrun():
+    from test_lightning import N_VAL, check_fit_results
+
+    # UnpaddedDistributedSampler (Lightning's padding sampler is checked in-process by test_lightning.py).
+    out = _torchrun(["--standalone", "tests/test_lightning.py"])
+    rows = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+    results = [row for _, row in sorted((row["rank"], row) for row in rows)]
+    assert [row["rank"] for row in results] == [0, 1], out[-3000:]
+    expected = check_fit_results(results, unpadded=True)
+    assert expected["val_count"] == N_VAL
