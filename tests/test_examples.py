@@ -32,3 +32,22 @@ def test_runs_unchanged_under_torchrun(target):
         assert "skipped: aborts under torchrun" in out
     else:
         assert "epoch soft-F1 loss" in out
+
+
+def test_bench_quick_runs_and_reports_two_collectives(tmp_path):
+    """The benchmark command end to end (small sizes): its JSON and table, not its timings."""
+    import json
+
+    json_path, table_path = tmp_path / "bench.json", tmp_path / "table.rst"
+    args = ["--quick", "--repeats", "2", "--memory-samples", "100000", "--json", str(json_path)]
+    out = _run([sys.executable, "-m", "torchmetrics_varlen", "bench", *args, "--table", str(table_path)], timeout=300)
+    result = json.loads(json_path.read_text())
+    cases = {row["case"]: row for row in result["rows"]}
+    assert {"8-metric collection: sync only", "50 small metrics: sync only", "big cat state"} <= set(cases)
+    assert all(row["varlen_collectives"] == 2 for row in result["rows"]), result["rows"]
+    assert cases["8-metric collection: sync only"]["stock_collectives"] > 2
+    assert cases["big cat state"]["floor_ms"] > 0
+    memory = result["memory"]
+    values = memory["all_gather"]["value"] + memory["one_rank"]["value"]
+    assert len(set(values)) == 1, values  # the same AUROC on every rank, by both paths
+    assert table_path.read_text().startswith("::\n") and "compute_on_rank(dst=0)" in out

@@ -17,6 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--table", dest="table_path", default=None, help="write the table as reStructuredText")
     bench.add_argument("--quick", action="store_true", help="smaller sizes, for smoke tests")
+    bench.add_argument(
+        "--memory-samples",
+        type=int,
+        default=None,
+        help="samples of the memory case (BinaryAUROC, all-gather vs one-rank compute; default 4M, 0 skips it)",
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"Expected `--world-size` to be at least 1 but got {args.world_size}")
@@ -26,7 +32,19 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(args.world_size)
     from torchmetrics_varlen.bench import main as bench_main
 
-    return int(bench_main(args.world_size, args.repeats, args.json_path, args.plot_path, args.quick, args.table_path))
+    if args.memory_samples is not None and args.memory_samples < 0:
+        parser.error(f"Expected `--memory-samples` to be 0 or more but got {args.memory_samples}")
+    return int(
+        bench_main(
+            args.world_size,
+            args.repeats,
+            args.json_path,
+            args.plot_path,
+            args.quick,
+            args.table_path,
+            args.memory_samples,
+        )
+    )
 
 
 if __name__ == "__main__":

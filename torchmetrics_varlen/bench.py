@@ -200,6 +200,27 @@ def format_table(rows: list[Case], world_size: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
+def format_memory_table(report: dict[str, Any]) -> str:
+    """Table of :func:`~torchmetrics_varlen._memory.measure_sync_memory`: peak RSS growth per rank and path."""
+    mib = 1024.0 * 1024.0
+    ranks = range(report["world_size"])
+    state_mib = max(report["state_bytes"]) / mib
+    lines = [
+        f"Memory of one compute(): {report['metric']}, {report['n_samples']:,} samples over {report['world_size']}"
+        f" ranks ({state_mib:.1f} MiB of state per rank); peak resident-memory growth during compute(), per rank"
+        f" ({report['peak_method']})",
+        "",
+        f"| {'path':<28} | " + " | ".join(f"{f'rank {rank} MiB':>10}" for rank in ranks) + f" | {'AUROC':>8} |",
+        f"|{'-' * 30}|" + "|".join("-" * 12 for _ in ranks) + f"|{'-' * 10}|",
+    ]
+    names = {"all_gather": "all-gather compute()", "one_rank": f"compute_on_rank(dst={report['dst']})"}
+    for path, name in names.items():
+        peaks = report[path]["peak_rss_growth_bytes"]
+        cells = " | ".join(f"{peak / mib:>10.1f}" for peak in peaks)
+        lines.append(f"| {name:<28} | {cells} | {report[path]['value'][0]:>8.5f} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[Case], path: str) -> None:
     """Collectives and latency against the number of metrics (2 states each), stock vs ours."""
     import matplotlib
@@ -231,22 +252,36 @@ def main(
     plot_path: str | None,
     quick: bool,
     table_path: str | None = None,
+    memory_samples: int | None = None,
 ) -> int:
-    """Entry point of ``python -m torchmetrics_varlen bench``."""
+    """Entry point of ``python -m torchmetrics_varlen bench``.
+
+    ``memory_samples`` (default 4M, 400k with ``quick``; 0 skips it) sizes the memory case: ``BinaryAUROC`` computed
+    by all-gather and by :func:`~torchmetrics_varlen.compute_on_rank`, peak resident memory per rank. It needs at
+    least 2 ranks.
+    """
     from torchmetrics_varlen._launch import WorkerPool
+    from torchmetrics_varlen._memory import measure_sync_memory
 
     small_counts = [1, 10, 50] if quick else [1, 5, 10, 25, 50]
     cat_sizes = [200_000, 150_000] if quick else [2_000_000, 1_500_000]
+    if memory_samples is None:
+        memory_samples = 400_000 if quick else 4_000_000
+    memory = None
     with WorkerPool(world_size, pg_timeout=120.0) as pool:
         cases = pool.run(body_collections, repeats, small_counts, deadline=600.0)[0]
         cases += pool.run(body_big_cat, repeats, cat_sizes, deadline=600.0)[0]
+        if memory_samples > 0 and world_size >= 2:
+            memory = measure_sync_memory(world_size, memory_samples, dst=0, pool=pool)
     rows = _ratio_rows(cases)
     table = format_table(rows, world_size, repeats)
+    if memory is not None:
+        table += "\n\n" + format_memory_table(memory)
     print(table)
     if table_path:
         with open(table_path, "w") as out:  # a literal block, included by docs/benchmarks.rst
-            out.write("::\n\n" + "\n".join(f"    {line}" for line in table.splitlines()) + "\n")
-    result = {"world_size": world_size, "repeats": repeats, "rows": rows}
+            out.write("::\n\n" + "\n".join(f"    {line}".rstrip() for line in table.splitlines()) + "\n")
+    result = {"world_size": world_size, "repeats": repeats, "rows": rows, "memory": memory}
     print(json.dumps(result, indent=1))
     if json_path:
         with open(json_path, "w") as out:
