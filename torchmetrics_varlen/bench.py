@@ -1,15 +1,15 @@
 """The benchmark: stock torchmetrics and torchmetrics_varlen side by side, in one run, on gloo CPU processes.
 
-Every case is measured in the same worker processes for both sides, as the median of repeated syncs, with the
-collectives per sync counted by wrapping the ``torch.distributed`` functions. Compare ratios, not absolute numbers:
-this machine is shared and noisy.
+Every case is measured in the same worker processes for both sides, the sides taking turns, as the median of repeated
+syncs, with the collectives per sync counted by wrapping the ``torch.distributed`` functions. Compare ratios, not
+absolute numbers: this machine is shared and noisy.
 """
 
 import functools
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,17 +21,35 @@ from torchmetrics_varlen.demo import _CollectiveCounter
 Case = dict[str, Any]
 
 
-def _median_ms(fn: Callable[[], Any], repeats: int) -> tuple[float, int]:
-    """Median wall time of ``fn`` in ms, and the collectives one call issues (checked equal on every call)."""
-    times, counts = [], []
+def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, int]]:
+    """Median wall time in ms of each of ``fns``, and the collectives one call issues (the most seen in any call).
+
+    The functions take turns (stock, ours, floor, stock, ...), so that a change in the load of this shared machine
+    during the run falls on every side alike and the ratios stay comparable.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    counts = dict.fromkeys(fns, 0)
     for _ in range(repeats):
-        dist.barrier()  # start every rank together so the timing is the sync, not the stragglers
-        with _CollectiveCounter() as counter:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1000)
-        counts.append(counter.count)
-    return statistics.median(times), max(counts)
+        for name, fn in fns.items():
+            dist.barrier()  # start every rank together so the timing is the sync, not the stragglers
+            with _CollectiveCounter() as counter:
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1000)
+            counts[name] = max(counts[name], counter.count)
+    return {name: (statistics.median(times[name]), counts[name]) for name in fns}
+
+
+def _cases(case: str, fns: Mapping[str, Callable[[], Any]], repeats: int) -> list[Case]:
+    return [
+        {"case": case, "side": side, "ms": ms, "collectives": calls}
+        for side, (ms, calls) in _median_ms(fns, repeats).items()
+    ]
+
+
+def _on_each(fn: Callable[[Any], Any], collections: Mapping[str, Any]) -> dict[str, Callable[[], Any]]:
+    """``fn`` bound to each side's collection: what ``_median_ms`` takes turns on."""
+    return {side: functools.partial(fn, coll) for side, coll in collections.items()}
 
 
 def _fresh_compute(collection: Any) -> Any:
@@ -103,36 +121,32 @@ def _sync_only(collection: Any) -> None:
 
 def body_collections(rank: int, world_size: int, repeats: int, small_counts: list[int]) -> list[Case]:
     """8-metric collection, N small metrics, compute groups: stock vs ours, compute() with a fresh sync each time."""
-    cases: list[Case] = []
-    for kind in ("stock", "varlen"):
-        coll = _eight_metrics(kind)
+    from torchmetrics import MetricCollection as Stock
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
+
+    from torchmetrics_varlen import MetricCollection
+
+    sides = ("stock", "varlen")
+    eight = {kind: _eight_metrics(kind) for kind in sides}
+    for coll in eight.values():
         _feed_eight(coll, rank, 700 + 300 * rank)  # uneven batches and totals
-        ms, calls = _median_ms(functools.partial(_fresh_compute, coll), repeats)
-        cases.append({"case": "8-metric collection: compute()", "side": kind, "ms": ms, "collectives": calls})
-        ms, calls = _median_ms(functools.partial(_sync_only, coll), repeats)
-        cases.append({"case": "8-metric collection: sync only", "side": kind, "ms": ms, "collectives": calls})
+    cases = _cases("8-metric collection: compute()", _on_each(_fresh_compute, eight), repeats)
+    cases += _cases("8-metric collection: sync only", _on_each(_sync_only, eight), repeats)
     for count in small_counts:
-        for kind in ("stock", "varlen"):
-            coll = _small_metrics(kind, count)
+        small = {kind: _small_metrics(kind, count) for kind in sides}
+        for coll in small.values():
             for i, metric in enumerate(coll.values(copy_state=False)):
                 metric.update(torch.arange(rank + i + 1, dtype=torch.float32))
-            ms, calls = _median_ms(functools.partial(_fresh_compute, coll), repeats)
-            cases.append({"case": f"{count} small metrics: compute()", "side": kind, "ms": ms, "collectives": calls})
-            ms, calls = _median_ms(functools.partial(_sync_only, coll), repeats)
-            cases.append({"case": f"{count} small metrics: sync only", "side": kind, "ms": ms, "collectives": calls})
-    for kind in ("stock", "varlen"):
-        from torchmetrics import MetricCollection as Stock
-        from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
-
-        from torchmetrics_varlen import MetricCollection
-
+        cases += _cases(f"{count} small metrics: compute()", _on_each(_fresh_compute, small), repeats)
+        cases += _cases(f"{count} small metrics: sync only", _on_each(_sync_only, small), repeats)
+    grouped: dict[str, Any] = {}
+    for kind in sides:
         members = [MulticlassAccuracy(5), MulticlassPrecision(5), MulticlassF1Score(5)]
-        coll = (Stock if kind == "stock" else MetricCollection)(members)
+        grouped[kind] = coll = (Stock if kind == "stock" else MetricCollection)(members)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
             coll.update(torch.randn(50, 5, generator=gen), torch.randint(0, 5, (50,), generator=gen))
-        ms, calls = _median_ms(functools.partial(_fresh_compute, coll), repeats)
-        cases.append({"case": "compute-group collection (3 members)", "side": kind, "ms": ms, "collectives": calls})
+    cases += _cases("compute-group collection (3 members)", _on_each(_fresh_compute, grouped), repeats)
     return cases
 
 
@@ -143,7 +157,7 @@ def body_big_cat(rank: int, world_size: int, repeats: int, sizes: list[int]) -> 
     from torchmetrics_varlen import rebase
 
     local = torch.randn(sizes[rank % len(sizes)])
-    cases: list[Case] = []
+    fns: dict[str, Callable[[], Any]] = {}
     for kind, cls in (("stock", CatMetric), ("varlen", rebase(CatMetric))):
         metric = cls()
         metric.update(local)
@@ -152,15 +166,13 @@ def body_big_cat(rank: int, world_size: int, repeats: int, sizes: list[int]) -> 
             m.sync()
             m.unsync()
 
-        ms, calls = _median_ms(sync_once, repeats)
-        cases.append({"case": "big cat state", "side": kind, "ms": ms, "collectives": calls})
+        fns[kind] = sync_once
     longest = max(sizes[r % len(sizes)] for r in range(world_size))
     send = torch.zeros(longest)
     receive = torch.empty(world_size * longest)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    ms, calls = _median_ms(lambda: gather(receive, send), repeats)
-    cases.append({"case": "big cat state", "side": "floor", "ms": ms, "collectives": calls})
-    return cases
+    fns["floor"] = lambda: gather(receive, send)
+    return _cases("big cat state", fns, repeats)
 
 
 def _ratio_rows(cases: list[Case]) -> list[Case]:
