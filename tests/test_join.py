@@ -177,3 +177,25 @@ def body_join_config_is_joinable(rank, world_size):
 def test_metric_is_a_joinable_with_a_disabled_config_outside_join():
     for result in run_distributed(body_join_config_is_joinable, 2):
         assert result == {"device": "cpu", "group_is_world": True, "enabled": False}
+
+
+def body_no_process_group_outlives_destroy(rank, world_size):
+    import gc
+    import weakref
+
+    metric = BatchMSE(sync_timeout=30)  # a sync timeout: the timed metadata exchange numbers its syncs per group
+    with Join([metric]):
+        for x, y in _batches(rank, STEPS[world_size][rank]):
+            metric(x[:, 0].double(), y)
+    metric.compute()
+    world, side = weakref.ref(dist.group.WORLD), weakref.ref(metric._join_group)
+    dist.destroy_process_group()
+    gc.collect()
+    # The metric is still alive: it must not keep either group alive (a gloo group destroyed during interpreter
+    # shutdown, when a metric in a reference cycle is finally collected, can abort the process).
+    return {"world": world() is None, "side": side() is None, "metric_group": metric._join_group is None}
+
+
+def test_no_process_group_outlives_destroy_process_group():
+    for result in run_distributed(body_no_process_group_outlives_destroy, 2, deadline=60, fresh=True):
+        assert result == {"world": True, "side": True, "metric_group": True}

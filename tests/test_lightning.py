@@ -439,14 +439,17 @@ def test_rank_zero_only_logging_raises_sync_timeout_instead_of_hanging(log_objec
 def main():
     """Under ``torchrun --nproc-per-node 2 tests/test_lightning.py``: ``strategy="ddp"`` as users run it.
 
-    Lightning detects torchrun's environment and initialises the process group itself (env://). Each rank prints one
-    ``RESULT <json>`` line; ``tests/test_torchrun.py`` checks them with :func:`check_fit_results`.
+    Lightning detects torchrun's environment and initialises the process group itself (env://). Each rank writes its
+    results to ``rank<N>.json`` in the folder given as the last argument (one file per rank: lines that two ranks print
+    to one pipe can interleave); ``tests/test_torchrun.py`` checks them with :func:`check_fit_results`.
     """
     unpadded = "--lightning-sampler" not in sys.argv
+    out_dir = sys.argv[-1]
     world_size = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     result = _fit("ddp", rank, world_size, unpadded)
-    print("RESULT " + json.dumps({"rank": rank, **result}), flush=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as out:
+        json.dump({"rank": rank, **result}, out)
 
 
 if __name__ == "__main__":

@@ -45,13 +45,14 @@ def _torchrun(args):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
-def test_lightning_ddp_strategy_under_torchrun():
+def test_lightning_ddp_strategy_under_torchrun(tmp_path):
     from test_lightning import N_VAL, check_fit_results
 
     # UnpaddedDistributedSampler (Lightning's padding sampler is checked in-process by test_lightning.py).
-    out = _torchrun(["--standalone", "tests/test_lightning.py"])
-    rows = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
-    results = [row for _, row in sorted((row["rank"], row) for row in rows)]
-    assert [row["rank"] for row in results] == [0, 1], out[-3000:]
+    out = _torchrun(["--standalone", "tests/test_lightning.py", str(tmp_path)])
+    written = sorted(tmp_path.glob("rank*.json"))
+    assert [path.name for path in written] == ["rank0.json", "rank1.json"], out[-3000:]
+    results = [json.loads(path.read_text()) for path in written]
+    assert [row["rank"] for row in results] == [0, 1]
     expected = check_fit_results(results, unpadded=True)
     assert expected["val_count"] == N_VAL

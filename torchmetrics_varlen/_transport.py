@@ -85,8 +85,8 @@ def exchange_metadata(
     world_size = dist.get_world_size(group)
     local = torch.tensor(record, dtype=torch.int64, device=device)
     table = torch.empty(world_size * len(record), dtype=torch.int64, device=device)
-    key = group if group is not None else dist.group.WORLD
-    number = _SYNC_NUMBERS[key] = _SYNC_NUMBERS.get(key, 0) + 1
+    tag = _group_tag(group)
+    number = _SYNC_NUMBERS[tag] = _SYNC_NUMBERS.get(tag, 0) + 1
     if timeout is None:
         _gather_equal(table, local, group)
     else:
@@ -94,7 +94,7 @@ def exchange_metadata(
         first = min(NOTE_AFTER, timeout / 2)  # the note is always written before the timeout expires
         if not _wait(work, first):
             store = _store()
-            note = f"{_group_tag(group)}|{number}|{what}"
+            note = f"{tag}|{number}|{what}"
             _set_note(store, note)
             if not _wait(work, timeout - first):
                 raise SyncTimeoutError(_timeout_message(what, timeout, group, _describe_missing(store, group, note)))
@@ -124,7 +124,9 @@ def _wait(work: Any, seconds: float) -> bool:
 # names no ranks. Nothing of this runs on a sync that completes within the first slice.
 
 NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits
-_SYNC_NUMBERS: dict[Any, int] = {}
+# Keyed by group name, not by group: a module-level reference would keep every process group alive until interpreter
+# exit, past destroy_process_group(), and a gloo group destroyed during interpreter shutdown can abort the process.
+_SYNC_NUMBERS: dict[str, int] = {}
 
 
 def _store() -> Any:

@@ -22,6 +22,7 @@ from ``new_group``, which every rank of the world must call, even for a metric o
 
 import sys
 import threading
+import weakref
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +155,6 @@ def _exchange_terminate(metric: "Metric") -> None:
 class JoinableMetric(Joinable):
     """The :class:`~torch.distributed.algorithms.join.Joinable` side of :class:`~torchmetrics_varlen.Metric`."""
 
-    _join_group: Any
     _join_active: bool
     process_group: Any
     sync_grads: bool
@@ -176,8 +176,22 @@ class JoinableMetric(Joinable):
     def _join_state_for_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
         # A process group and a thread cannot be copied: a copy starts outside any Join, with a group made anew.
         state = dict(state)
-        state.update(_join_group=None, _join_hook=None, _join_active=False)
+        state.update(_join_group_ref=None, _join_hook=None, _join_active=False)
         return state
+
+    @property
+    def _join_group(self) -> Any:
+        """The side process group of this metric's per-step syncs inside ``Join``; None before the first ``Join``."""
+        ref = self.__dict__.get("_join_group_ref")
+        return ref() if ref is not None else None
+
+    @_join_group.setter
+    def _join_group(self, group: Any) -> None:
+        # Held weakly: torch.distributed holds its groups until destroy_process_group(). Metrics sit in reference
+        # cycles (torchmetrics wraps update/compute), so one may live on until the garbage collector runs at
+        # interpreter exit; a gloo group destroyed that late can abort the process ("terminate called without an
+        # active exception"). After destroy_process_group() the group is gone, and a later Join makes a new one.
+        self.__dict__["_join_group_ref"] = weakref.ref(group) if group is not None else None
 
     @property
     def _join_config(self) -> Any:
