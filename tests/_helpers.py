@@ -8,17 +8,21 @@ import torch
 import torch.distributed as dist
 
 COLLECTIVES = (
+    "_all_gather_base",
     "all_gather",
-    "all_gather_single",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "broadcast_object_list",
     "gather",
-    "reduce_scatter",
     "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
 )
 
 

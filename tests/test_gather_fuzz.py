@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
+from _helpers import count_collectives
 from conftest import run_distributed
 
 import torchmetrics_varlen
@@ -338,30 +338,8 @@ def test_all_empty_ranks_with_different_dtypes():
 
 # --- collective budget ----------------------------------------------------------------------------------------------
 
-COUNTED = [
-    "all_gather", "all_gather_single", "all_gather_into_tensor", "barrier", "all_reduce", "broadcast",
-    "all_gather_object", "_all_gather_base", "gather", "reduce", "all_to_all", "all_to_all_single",
-    "broadcast_object_list", "monitored_barrier",
-]  # fmt: skip
-
 
 def body_collectives(rank, world_size):
-    counts = Counter()
-    depth = [0]
-    originals = {name: getattr(dist, name) for name in COUNTED if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            if depth[0] == 0:  # only the outermost call: a collective built on another counts once
-                counts[name] += 1
-            depth[0] += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-
-        return counted
-
     scenarios = {
         "uneven": torch.randn(rank + 1, 3),
         "one_empty": torch.empty(0) if rank == 1 else torch.arange(rank + 2),
@@ -371,21 +349,14 @@ def body_collectives(rank, world_size):
         "mismatch": torch.ones(2, dtype=torch.float32 if rank == 0 else torch.int64),
     }
     out = {}
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        for scenario, tensor in scenarios.items():
-            counts.clear()
-            raised = None
+    for scenario, tensor in scenarios.items():
+        raised = None
+        with count_collectives() as counts:
             try:
                 gather_all_tensors(tensor)
             except SyncMismatchError:
                 raised = "SyncMismatchError"
-            out[scenario] = (dict(counts), raised)
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-    assert all(getattr(dist, name) is fn for name, fn in originals.items())
+        out[scenario] = (dict(counts), raised)
     return out
 
 

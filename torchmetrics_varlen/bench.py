@@ -58,8 +58,8 @@ def _fresh_compute(collection: Any) -> Any:
     return collection.compute()
 
 
-def _eight_metrics(kind: str) -> Any:
-    from torchmetrics import MetricCollection as Stock
+def eight_metric_members() -> dict[str, Any]:
+    """Fresh instances of the 8-metric case's members (the issue's set; the tests check this very collection)."""
     from torchmetrics.classification import (
         MulticlassAccuracy,
         MulticlassAUROC,
@@ -69,9 +69,7 @@ def _eight_metrics(kind: str) -> Any:
     )
     from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef
 
-    from torchmetrics_varlen import MetricCollection
-
-    members: dict[str, Any] = {
+    return {
         "acc": MulticlassAccuracy(num_classes=5),
         "prec": MulticlassPrecision(num_classes=5),
         "rec": MulticlassRecall(num_classes=5),
@@ -81,7 +79,14 @@ def _eight_metrics(kind: str) -> Any:
         "mae": MeanAbsoluteError(),
         "pearson": PearsonCorrCoef(),
     }
-    return (Stock if kind == "stock" else MetricCollection)(members)
+
+
+def _eight_metrics(kind: str) -> Any:
+    from torchmetrics import MetricCollection as Stock
+
+    from torchmetrics_varlen import MetricCollection
+
+    return (Stock if kind == "stock" else MetricCollection)(eight_metric_members())
 
 
 def _feed_eight(collection: Any, rank: int, n: int) -> None:
