@@ -205,6 +205,11 @@ def run_method(rank: int, world_size: int, name: str) -> Row:
     return {"values": values, "collectives": count, "ms": statistics.median(times)}
 
 
+def _line(method: str, auroc: str, ap: str, samples: str, verdict: str, collectives: str, ms: str) -> str:
+    # The verdict column fits the longest verdict, "NO: auroc wrong, ap wrong, count wrong".
+    return f"{method:<42} {auroc:>9} {ap:>9} {samples:>8}  {verdict[:38]:<38} {collectives:>11} {ms:>7}"
+
+
 def _verdict(values: dict[str, float], reference: dict[str, float]) -> str:
     keys = ("auroc", "ap", "count")
     wrong = [key for key in keys if abs(values[key] - reference[key]) > 1e-6]
@@ -213,11 +218,14 @@ def _verdict(values: dict[str, float], reference: dict[str, float]) -> str:
     return "yes, exactly" if all(values[key] == reference[key] for key in keys) else "yes (within 1e-6)"
 
 
+def _values_line(method: str, values: dict[str, float], verdict: str, collectives: str, ms: str) -> str:
+    auroc, ap, count = f"{values['auroc']:.6f}", f"{values['ap']:.6f}", str(int(values["count"]))
+    return _line(method, auroc, ap, count, verdict, collectives, ms)
+
+
 def format_table(world_size: int, rows: dict[str, Row | str]) -> str:
     """The demo's table: per scenario, the single-process truth and one line per method, as measured."""
-    header = (
-        f"{'method':<42} {'AUROC':>9} {'AP':>9} {'samples':>8}  {'matches truth':<30} {'collectives':>11} {'ms':>7}"
-    )
+    header = _line("method", "AUROC", "AP", "samples", "matches truth", "collectives", "ms")
     lines = [
         f"Field report 1 on {world_size} gloo CPU processes; {N_SAMPLES} validation samples, batches of {BATCH_SIZE}.",
     ]
@@ -225,23 +233,17 @@ def format_table(world_size: int, rows: dict[str, Row | str]) -> str:
         reference = truth(world_size, scenario)
         sizes = [shard(r, world_size, scenario)[0].numel() for r in range(world_size)]
         lines += ["", SCENARIO_TITLES[scenario].format(batch=BATCH_SIZE) + f"; samples per rank: {sizes}", header]
-        lines.append(
-            f"{'single-process truth':<42} {reference['auroc']:>9.6f} {reference['ap']:>9.6f}"
-            f" {int(reference['count']):>8}  {'(reference)':<30} {'-':>11} {'-':>7}"
-        )
+        lines.append(_values_line("single-process truth", reference, "(reference)", "-", "-"))
         for name, row in rows.items():
             if METHODS[name][0] == "unpadded" and scenario == "padded":
                 pass  # the fix for B: same data set, a sampler that does not pad
             elif METHODS[name][0] != scenario:
                 continue
             if isinstance(row, str):
-                lines.append(f"{name:<42} {'-':>9} {'-':>9} {'-':>8}  {row[:30]:<30} {'-':>11} {'-':>7}")
+                lines.append(_line(name, "-", "-", "-", row, "-", "-"))
                 continue
-            values = row["values"]
-            lines.append(
-                f"{name:<42} {values['auroc']:>9.6f} {values['ap']:>9.6f} {int(values['count']):>8}"
-                f"  {_verdict(values, reference):<30} {row['collectives']:>11} {row['ms']:>7.2f}"
-            )
+            verdict = _verdict(row["values"], reference)
+            lines.append(_values_line(name, row["values"], verdict, str(row["collectives"]), f"{row['ms']:.2f}"))
     lines += [
         "",
         "samples: how many samples the method's sync counted; collectives: torch.distributed calls per rank for",
