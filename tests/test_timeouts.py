@@ -142,3 +142,35 @@ def test_invalid_timeout_values_are_rejected():
         Total(sync_timeout="soon")
     assert Total(sync_timeout=0).sync_timeout is None
     assert Total(sync_timeout=5).sync_timeout == 5.0
+
+
+def body_foreign_peer(rank, world_size):
+    """Rank 1 issues the same collective as the metadata exchange, but its record is not ours (a version mismatch,
+    or stock code at the same step) and claims a huge entry count. The others must raise at once, not start a second,
+    giant exchange that the foreign rank never joins."""
+    from torchmetrics_varlen import _protocol, gather_all_tensors
+
+    fixed = _protocol.HEADER_LEN + _protocol.RECORD_SLOTS * _protocol.ENTRY_LEN
+    if rank == 1:
+        record = torch.full((fixed,), 10**6, dtype=torch.int64)
+        dist.all_gather_into_tensor(torch.empty(world_size * fixed, dtype=torch.int64), record)
+        return None
+    os.environ["TORCHMETRICS_VARLEN_SYNC_TIMEOUT"] = "5"
+    try:
+        gather_all_tensors(torch.ones(3))
+    except SyncMismatchError as err:
+        return str(err)
+    except SyncTimeoutError as err:  # what an attempted second exchange ends in
+        return f"timeout: {err}"
+    finally:
+        del os.environ["TORCHMETRICS_VARLEN_SYNC_TIMEOUT"]
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_foreign_peer_is_named_without_a_second_exchange(world_size):
+    results = run_distributed(body_foreign_peer, world_size, deadline=60, fresh=True)
+    for rank, message in enumerate(results):
+        if rank == 1:
+            continue
+        assert message.startswith("sync of gather_all_tensors: ranks [1] are not running"), message

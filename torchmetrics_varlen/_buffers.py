@@ -111,7 +111,9 @@ def unpack(
         block = torch.stack([row[group.start : group.start + group.nbytes] for row in rows]).view(group.dtype)
         for index, part in zip(group.indices, torch.split(block, group.numels, dim=1)):
             stacked = part.view(plan.world_size, *plan.entries[index].shapes[0])
-            dense[index] = StackedRanks(stacked.to(devices[index]))  # type: ignore[assignment]
+            if stacked.device != devices[index]:
+                stacked = stacked.to(devices[index])
+            dense[index] = StackedRanks(stacked)  # type: ignore[assignment]
     result: list[list[Entry]] = []
     for index, (eplan, device) in enumerate(zip(plan.entries, devices, strict=True)):
         if eplan.dense:

@@ -205,8 +205,28 @@ class Plan:
         return max(self.nbytes)
 
 
-def make_plan(table: list[list[int]], what: str) -> Plan:
-    """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike."""
+_PLANS: dict[bytes, Plan] = {}
+PLAN_CACHE_SIZE = 64
+
+
+def make_plan(table: list[list[int]], what: str, digest: bytes | None = None) -> Plan:
+    """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike.
+
+    ``digest`` identifies the table (see ``gather.exchange_records``): a metric synced again and again sends the same
+    table each time (same shapes, same ranks synced), and laying out a hundred states costs more than looking its
+    plan up. Plans are never mutated after this; a table that raises is never cached.
+    """
+    plan = _PLANS.get(digest) if digest is not None else None
+    if plan is None:
+        plan = _make_plan(table, what)
+        if digest is not None:
+            if len(_PLANS) >= PLAN_CACHE_SIZE:
+                del _PLANS[next(iter(_PLANS))]  # the oldest
+            _PLANS[digest] = plan
+    return plan
+
+
+def _make_plan(table: list[list[int]], what: str) -> Plan:
     world = len(table)
     _check_headers(table, what)
     entries: list[EntryPlan] = []

@@ -75,8 +75,8 @@ def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None, asy
 
 def exchange_metadata(
     record: list[int], group: ProcessGroup | None, device: torch.device, timeout: float | None, what: str
-) -> list[list[int]]:
-    """Collective 1: every rank's fixed-size record, as nested Python ints (one device-to-host copy).
+) -> Tensor:
+    """Collective 1: every rank's fixed-size record, as a ``[world_size, len(record)]`` int64 tensor on ``device``.
 
     With a ``timeout``, a rank that is still waiting after a short first slice notes in the store where it waits, so
     that a rank whose timeout expires can name the ranks that never arrived (see :func:`_describe_missing`). A quick
@@ -99,7 +99,7 @@ def exchange_metadata(
             if not _wait(work, timeout - first):
                 raise SyncTimeoutError(_timeout_message(what, timeout, group, _describe_missing(store, group, note)))
             _set_note(store, "")  # arrived: an old note must not describe this rank at a later timeout
-    return table.view(world_size, len(record)).tolist()  # type: ignore[no-any-return]
+    return table.view(world_size, len(record))
 
 
 def _wait(work: Any, seconds: float) -> bool:

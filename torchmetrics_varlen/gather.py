@@ -1,5 +1,6 @@
 """A varlen-safe ``gather_all_tensors``: the ``dist_sync_fn`` hook for any torchmetrics metric."""
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,10 +40,10 @@ def exchange_entries(
     device = _transport.transport_device(group, like)
     what = f"sync of {label}"
     record = _protocol.describe(entries, context, label, synced)
-    table = exchange_records(record, group, device, timeout, what)
+    table, digest = exchange_records(record, group, device, timeout, what)
     if stop is not None and stop(table):
         return None, []
-    plan = _protocol.make_plan(table, what)
+    plan = _protocol.make_plan(table, what, digest)
     if plan.all_synced:
         return plan, []
     if plan.max_bytes == 0:
@@ -56,15 +57,23 @@ def exchange_entries(
 
 def exchange_records(
     record: list[int], group: Any, device: torch.device, timeout: float | None, what: str
-) -> list[list[int]]:
-    """Exchange records of one size on every rank, whatever each holds: a mismatch must be an error, not an abort."""
+) -> tuple[list[list[int]], bytes]:
+    """Exchange records of one size on every rank, whatever each holds: a mismatch must be an error, not an abort.
+
+    Returns the table as nested Python ints (one device-to-host copy), cut to the slots in use, and a digest of it
+    (the key of the plan cache, see ``_protocol.make_plan``).
+    """
     fixed = _protocol.HEADER_LEN + _protocol.RECORD_SLOTS * _protocol.ENTRY_LEN
-    table = _transport.exchange_metadata(_pad(record, fixed), group, device, timeout, what)
-    longest = max(row[_protocol.H_N] for row in table)
-    if longest > _protocol.RECORD_SLOTS:  # decided from the headers, so every rank takes this branch together
+    table = _transport.exchange_metadata(_pad(record, fixed), group, device, timeout, what).cpu()
+    ours = bool((table[:, _protocol.H_MAGIC] == _protocol.MAGIC).all())  # else make_plan raises, naming the ranks
+    longest = int(table[:, _protocol.H_N].max())
+    if ours and longest > _protocol.RECORD_SLOTS:  # decided from the headers, so every rank takes this branch together
         full = _protocol.HEADER_LEN + longest * _protocol.ENTRY_LEN
-        table = _transport.exchange_metadata(_pad(record, full), group, device, timeout, what)
-    return table
+        table = _transport.exchange_metadata(_pad(record, full), group, device, timeout, what).cpu()
+    if ours:
+        table = table[:, : _protocol.HEADER_LEN + longest * _protocol.ENTRY_LEN]
+    digest = hashlib.blake2b(table.contiguous().numpy().tobytes(), digest_size=32).digest()
+    return table.tolist(), digest
 
 
 def _pad(record: list[int], length: int) -> list[int]:

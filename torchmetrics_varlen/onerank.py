@@ -124,8 +124,8 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     cached = metric._computed is not None and metric.compute_with_cache
     context = _protocol.context_hash(layout_text([metric], phase))
     record = _protocol.describe(entries, context, label, cached)
-    table = exchange_records(record, group, device, timeout, what)
-    plan = _protocol.make_plan(table, what)  # raises on every rank alike
+    table, digest = exchange_records(record, group, device, timeout, what)
+    plan = _protocol.make_plan(table, what, digest)  # raises on every rank alike
     if plan.all_synced:
         return metric._computed
     holder: list[list[Tensor] | None] = [[]]
