@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--world-size", type=int, default=4, help="gloo CPU processes to spawn (default 4)")
     bench = commands.add_parser("bench", help="stock torchmetrics vs torchmetrics_varlen sync cost, side by side")
     bench.add_argument("--world-size", type=int, default=2, help="gloo CPU processes to spawn (default 2)")
-    bench.add_argument("--repeats", type=int, default=15, help="syncs per case; the median is reported")
+    bench.add_argument("--repeats", type=int, default=25, help="syncs per case; the median is reported")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     bench.add_argument("--plot", dest="plot_path", default=None, help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--table", dest="table_path", default=None, help="write the table as reStructuredText")

@@ -239,7 +239,7 @@ def format_memory_table(report: dict[str, Any]) -> str:
 
 
 def plot(rows: list[Case], path: str) -> None:
-    """Collectives and latency against the number of metrics (2 states each), stock vs ours."""
+    """Collectives and latency against the number of metrics (1-2 states each), stock vs ours."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,8 +255,8 @@ def plot(rows: list[Case], path: str) -> None:
         label = "stock torchmetrics" if side == "stock" else "torchmetrics_varlen"
         left.plot(counts, [row[f"{side}_collectives"] for row in small], style, label=label)
         right.plot(counts, [row[f"{side}_ms"] for row in small], style, label=label)
-    left.set(xlabel="metrics in the collection (2 states each)", ylabel="collectives per sync", yscale="log")
-    right.set(xlabel="metrics in the collection (2 states each)", ylabel="ms per sync (median)", yscale="log")
+    left.set(xlabel="metrics in the collection (1-2 states each)", ylabel="collectives per sync", yscale="log")
+    right.set(xlabel="metrics in the collection (1-2 states each)", ylabel="ms per sync (median)", yscale="log")
     left.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
