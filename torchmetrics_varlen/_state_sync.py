@@ -110,10 +110,10 @@ def reduce_gathered(
     for position, ((reduction, where), local) in enumerate(zip(reductions, entries)):
         per_rank = gathered[position]
         gathered[position] = []
-        stacked = per_rank.stacked if isinstance(per_rank, StackedRanks) and reduction is not dim_zero_cat else None
-        if stacked is not None and isinstance(local, Tensor) and not local.requires_grad:
-            # The common case, kept short (a hundred states per sync): equal shapes on every rank, a stacking reduction.
-            reduced.append(reduction(stacked) if reduction is not None else stacked)
+        if plan.entries[position].dense and not (isinstance(local, Tensor) and local.requires_grad):
+            # The common case, kept short (a hundred states per sync): equal shapes on every rank, no shared object,
+            # no graph of ours to put back, so the stacked ranks go to the reduction as they are.
+            reduced.append(reduce_state(per_rank, reduction, where))
             continue
         refs = set(plan.entries[position].refs)
         if len(refs) == 1 and min(refs) >= 0:
