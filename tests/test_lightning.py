@@ -222,7 +222,7 @@ class SyncRecorder:
         self.lightning_reductions = 0  # collectives issued from Lightning's logging (its `sync_dist` reduction)
 
     def __enter__(self):
-        self._metadata = _transport.exchange_metadata
+        self._metadata = _transport.exchange_records
         self._originals = {name: getattr(dist, name) for name in self.NAMES}
 
         def metadata(record, group, device, timeout, what):
@@ -237,13 +237,13 @@ class SyncRecorder:
 
             return collective
 
-        _transport.exchange_metadata = metadata
+        _transport.exchange_records = metadata
         for name, fn in self._originals.items():
             setattr(dist, name, wrap(fn))
         return self
 
     def __exit__(self, *exc):
-        _transport.exchange_metadata = self._metadata
+        _transport.exchange_records = self._metadata
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torchmetrics.utilities.data import dim_zero_cat
 import torch.distributed as dist
 from _helpers import assert_same, count_collectives, outcome, split
 from conftest import run_distributed
@@ -27,7 +28,8 @@ class Nested(Metric):
         self.values.append(x)
 
     def compute(self):
-        values = torch.cat(self.values) if self.values else torch.zeros(0)
+        # After a sync a `cat` list state is one tensor, as with stock torchmetrics: dim_zero_cat takes both.
+        values = dim_zero_cat(self.values) if len(self.values) else torch.zeros(0)
         return {
             "total": self.total,
             "parts": [values[:2], (values.numel(), values.sort().values)],

@@ -148,9 +148,9 @@ def body_foreign_peer(rank, world_size):
     """Rank 1 issues the same collective as the metadata exchange, but its record is not ours (a version mismatch,
     or stock code at the same step) and claims a huge entry count. The others must raise at once, not start a second,
     giant exchange that the foreign rank never joins."""
-    from torchmetrics_varlen import _protocol, gather_all_tensors
+    from torchmetrics_varlen import gather_all_tensors
 
-    fixed = _protocol.HEADER_LEN + _protocol.RECORD_SLOTS * _protocol.ENTRY_LEN
+    fixed = _transport.INITIAL_WORDS  # a fresh pool: the group's agreed record length is the initial one
     if rank == 1:
         record = torch.full((fixed,), 10**6, dtype=torch.int64)
         dist.all_gather_into_tensor(torch.empty(world_size * fixed, dtype=torch.int64), record)

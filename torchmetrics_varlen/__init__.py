@@ -1,7 +1,7 @@
 """torchmetrics-varlen: exact, hang-free, differentiable distributed TorchMetrics on uneven data."""
 
 from torchmetrics_varlen.collection import MetricCollection
-from torchmetrics_varlen.errors import SyncMismatchError, SyncTimeoutError
+from torchmetrics_varlen.errors import SyncMismatchError, SyncPeerError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.indexed import IndexedMetric
 from torchmetrics_varlen.losses import SoftF1Loss
@@ -17,6 +17,7 @@ __all__ = [
     "MetricCollection",
     "SoftF1Loss",
     "SyncMismatchError",
+    "SyncPeerError",
     "SyncTimeoutError",
     "UnpaddedDistributedSampler",
     "__version__",

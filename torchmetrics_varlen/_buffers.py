@@ -1,11 +1,15 @@
-"""Steps 4 and 6 of the protocol (:mod:`torchmetrics_varlen._protocol`): pack, and cut back out.
+"""Packing the local entries into transfer buffers, and cutting every rank's entries back out.
 
-``pack`` copies the local entries into one send buffer; ``unpack`` cuts every rank's entries out of the received
-buffers as views with their true shape and dtype.
+``pack`` copies the gathered entries into one ``uint8`` send buffer, ``pack_reduced`` the all-reduced ones into one
+flat buffer per reduce group. ``unpack`` turns the gathered ``[world_size, bytes]`` rows into one result per entry
+with tensor operations over all ranks at once: dense entries as ``[world_size, *shape]`` blocks, ``cat`` entries as
+every rank's data concatenated in rank order (one masked selection, whatever the number of ranks), other entries as
+per-rank pieces. Padding never escapes. Tensors are copied to and from the buffer device with ``Tensor.to``, a no-op
+on the same device, so states on any device take the same path.
 """
 
+import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -13,81 +17,94 @@ from torch import Tensor
 from torchmetrics_varlen._protocol import (
     KIND_LIST,
     KIND_TENSOR,
-    MAX_NDIM,
+    ROUTE_REDUCE,
+    SHAPE_WORDS,
     Entry,
     EntryPlan,
     LocalEntry,
     Plan,
     Ref,
-    _shape_slots,
+    dtype_of,
+    shape_slots,
 )
 
 
-class StackedRanks(list[Tensor]):
-    """Per-rank tensors of a dense entry, kept stacked: a stacking reduction uses ``stacked`` and never unbinds."""
+class Stacked:
+    """Every rank's value of a dense entry, as one ``[world_size, *shape]`` tensor (what stock reductions take)."""
 
-    def __init__(self, stacked: Tensor) -> None:
-        super().__init__()
-        self.stacked = stacked
-        self._unbound = False
+    __slots__ = ("tensor",)
 
-    def _unbind(self) -> None:
-        if not self._unbound:
-            self._unbound = True
-            super().extend(self.stacked.unbind(0))
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
 
-    def __len__(self) -> int:
-        return int(self.stacked.shape[0])
-
-    def __iter__(self) -> Any:
-        self._unbind()
-        return super().__iter__()
-
-    def __getitem__(self, index: Any) -> Any:
-        self._unbind()
-        return super().__getitem__(index)
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        self._unbind()
-        super().__setitem__(index, value)
+    def __repr__(self) -> str:
+        return f"Stacked({tuple(self.tensor.shape)}, {self.tensor.dtype})"
 
 
-_SEND_BUFFERS: dict[torch.device, Tensor] = {}
+class Joined:
+    """A ``cat`` entry: every rank's data concatenated in rank order; ``tensor`` is None when no rank held an item."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor | None) -> None:
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return "Joined(empty)" if self.tensor is None else f"Joined({tuple(self.tensor.shape)}, {self.tensor.dtype})"
+
+
+class Reduced:
+    """A dense entry all-reduced over the ranks (sum, max or min) in its transport dtype."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"Reduced({tuple(self.tensor.shape)}, {self.tensor.dtype})"
+
+
+Result = Stacked | Joined | Reduced | list[Tensor | list[Tensor]]  # a list: one piece per rank
+
+_CACHE = threading.local()  # per thread: the Join worker thread packs while the main thread may too
 SEND_BUFFER_CACHE_BYTES = 64 * 2**20
 
 
 def _send_buffer(nbytes: int, device: torch.device) -> Tensor:
     """A send buffer of ``nbytes``; on the CPU reused between syncs (up to 64 MiB), since fresh pages cost time.
 
-    Reuse is safe because nothing refers to the send buffer once its collective returned; received data lives in
+    Reuse is safe because nothing refers to the send buffer once its collective completed; received data lives in
     buffers of its own. CUDA's caching allocator already reuses memory, so only CPU buffers are kept.
     """
-    cached = _SEND_BUFFERS.get(device)
+    cache: dict[torch.device, Tensor] = _CACHE.__dict__.setdefault("buffers", {})
+    cached = cache.get(device)
     if cached is not None and cached.numel() >= nbytes:
         return cached[:nbytes]
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if device.type == "cpu" and nbytes <= SEND_BUFFER_CACHE_BYTES:
-        _SEND_BUFFERS[device] = buffer
+        cache[device] = buffer
     return buffer
 
 
 def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.device) -> Tensor:
-    """Copy this rank's entries into one ``uint8`` buffer of the transfer size (``plan.max_bytes``)."""
+    """Copy this rank's gathered entries into one ``uint8`` buffer of the transfer size (``plan.max_bytes``)."""
     buffer = _send_buffer(plan.max_bytes, device)
     with torch.no_grad():
         for group in plan.groups:
-            flat = [entries[i].reshape(-1) for i in group.indices]  # type: ignore[union-attr]  # dense: tensors
+            flat = [entries[i].reshape(-1).to(device) for i in group.indices]  # type: ignore[union-attr]
             torch.cat(flat, out=buffer[group.start : group.start + group.nbytes].view(group.dtype))
         for entry, eplan in zip(entries, plan.entries):
             if isinstance(entry, Ref) or eplan.dense:
                 continue
-            offset = eplan.offsets[rank]
+            assert eplan.offsets is not None and eplan.table_bytes is not None
+            offset = int(eplan.offsets[rank])
             items = [entry] if isinstance(entry, Tensor) else entry
             if eplan.kind == KIND_LIST:
-                shape_table = [slot for item in items for slot in _shape_slots(item.shape)]
+                shape_table = [slot for item in items for slot in shape_slots(item.shape)]
                 table_view = buffer[offset : offset + len(shape_table) * 8].view(torch.int64)
                 table_view.copy_(torch.tensor(shape_table, dtype=torch.int64))
-                offset += eplan.table_bytes[rank]
+                offset += int(eplan.table_bytes[rank])
             if eplan.dtype is None:
                 continue
             for item in items:
@@ -98,80 +115,160 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.dev
     return buffer
 
 
+def pack_reduced(entries: Sequence[LocalEntry], plan: Plan, device: torch.device) -> list[Tensor]:
+    """One flat buffer per reduce group (the all-reduce works in place on it)."""
+    with torch.no_grad():
+        return [
+            torch.cat([entries[i].reshape(-1).to(device=device, dtype=group.dtype) for i in group.indices])  # type: ignore[union-attr]
+            for group in plan.reduce_groups
+        ]
+
+
+def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torch.device]) -> dict[int, Reduced]:
+    """The all-reduced buffers cut back into one tensor per entry, on each entry's device."""
+    out: dict[int, Reduced] = {}
+    for group, flat in zip(plan.reduce_groups, buffers, strict=True):
+        for index, part in zip(group.indices, torch.split(flat, group.numels)):
+            out[index] = Reduced(part.view(plan.entries[index].shape).to(devices[index]))
+    return out
+
+
 def unpack(
-    rows: Sequence[Tensor], plan: Plan, devices: Sequence[torch.device], join: Sequence[bool] | None = None
-) -> list[list[Entry]]:
-    """Cut every rank's entries out of the gathered buffers: ``result[entry][rank]`` with true shape and dtype.
+    rows: Tensor | None, plan: Plan, devices: Sequence[torch.device], cat: Sequence[bool] | None = None
+) -> list[Result | None]:
+    """Every gathered entry cut out of the ``[world_size, bytes]`` rows; None for the all-reduced ones.
 
-    For list entries flagged in ``join`` (``cat`` states), a rank's items come back as one tensor (its items share a
-    trailing shape and lie back to back in the buffer, so this is a view, not a copy).
+    ``cat`` flags the entries whose ranks' data is concatenated (``dist_reduce_fx="cat"``): they come back as one
+    :class:`Joined` tensor. Dense entries come back :class:`Stacked`, the rest as a list of per-rank pieces.
     """
-    dense: dict[int, list[Entry]] = {}
+    world = plan.world_size
+    results: list[Result | None] = [None] * len(plan.entries)
+    if rows is None:
+        rows = torch.empty(world, 0, dtype=torch.uint8)
     for group in plan.groups:
-        block = torch.stack([row[group.start : group.start + group.nbytes] for row in rows]).view(group.dtype)
+        block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
         for index, part in zip(group.indices, torch.split(block, group.numels, dim=1)):
-            stacked = part.view(plan.world_size, *plan.entries[index].shapes[0])
-            if stacked.device != devices[index]:
-                stacked = stacked.to(devices[index])
-            dense[index] = StackedRanks(stacked)  # type: ignore[assignment]
-    result: list[list[Entry]] = []
-    for index, (eplan, device) in enumerate(zip(plan.entries, devices, strict=True)):
-        if eplan.dense:
-            result.append(dense[index])
+            stacked = part.reshape(world, *plan.entries[index].shape)
+            results[index] = Stacked(stacked.to(devices[index]))
+    for index, eplan in enumerate(plan.entries):
+        if eplan.dense or eplan.route == ROUTE_REDUCE:
             continue
-        per_rank: list[Entry] = []
-        for rank in range(plan.world_size):
-            row = rows[rank] if rows else torch.empty(0, dtype=torch.uint8)
-            if eplan.refs[rank] >= 0:
-                per_rank.append(result[eplan.refs[rank]][rank])
-            elif eplan.kind == KIND_TENSOR:
-                per_rank.append(_unpack_tensor(row, eplan, rank, device))
-            else:
-                per_rank.append(_unpack_list(row, eplan, rank, device, bool(join and join[index])))
-        result.append(per_rank)
-    return result
+        refs = eplan.refs
+        if bool((refs >= 0).any()):
+            results[index] = _with_refs(rows, plan, index, results, devices[index])
+            continue
+        joined = _joined(rows, eplan, devices[index]) if cat is not None and cat[index] else None
+        results[index] = joined if joined is not None else _pieces(rows, eplan, devices[index])
+    return results
 
 
-def _section(row: Tensor, dtype: torch.dtype, start: int, numel: int) -> Tensor:
-    return row[start : start + numel * dtype.itemsize].view(dtype)
+def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
+    """Elements ``[starts[r], starts[r] + counts[r])`` (bytes, elements) of every row, concatenated in rank order."""
+    itemsize = dtype.itemsize
+    ends = starts + counts * itemsize
+    lo, hi = int(starts.min()), int(ends.max())
+    if hi <= lo:
+        return torch.empty(0, dtype=dtype, device=rows.device)
+    view = rows[:, lo:hi].view(dtype)  # sections and rows are aligned, so this is a view
+    columns = torch.arange(view.shape[1], device=rows.device)
+    first = ((starts - lo) // itemsize).to(rows.device)
+    mask = (columns >= first[:, None]) & (columns < (first + counts.to(rows.device))[:, None])
+    return view[mask]
 
 
-def _unpack_tensor(row: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> Tensor:
-    if eplan.numels[rank] == 0:
-        shape = eplan.empty_shape if eplan.empty_shape is not None else eplan.shapes[rank]
-        dtype = eplan.dtype or eplan.own_dtypes[rank] or torch.get_default_dtype()
-        return torch.empty(shape, dtype=dtype, device=device)
-    assert eplan.dtype is not None  # a rank with data has a dtype
-    data = _section(row, eplan.dtype, eplan.offsets[rank], eplan.numels[rank]).view(eplan.shapes[rank])
-    return data.to(device)
+def _joined(rows: Tensor, eplan: EntryPlan, device: torch.device) -> Joined | None:
+    """All ranks' data of a ``cat`` entry as one tensor, or None when its items' shapes do not allow one."""
+    assert eplan.offsets is not None and eplan.table_bytes is not None
+    if eplan.kind == KIND_LIST:
+        if not bool((eplan.items > 0).any()):
+            return Joined(None)
+        shapes = _select(rows, eplan.offsets, eplan.items * SHAPE_WORDS, torch.int64).view(-1, SHAPE_WORDS)
+        trailing = _common_trailing(shapes)
+        data_start = eplan.offsets + eplan.table_bytes
+    else:
+        nonempty = eplan.numels > 0
+        trailing = _common_trailing(eplan.shapes[nonempty]) if bool(nonempty.any()) else None
+        data_start = eplan.offsets
+    if trailing is None:
+        return None
+    dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
+    data = _select(rows, data_start, eplan.numels, dtype) if eplan.dtype is not None else torch.empty(0, dtype=dtype)
+    return Joined(data.view(-1, *trailing).to(device))
 
 
-def _unpack_list(row: Tensor, eplan: EntryPlan, rank: int, device: torch.device, join: bool) -> list[Tensor]:
-    count = eplan.items[rank]
+def _common_trailing(shapes: Tensor) -> tuple[int, ...] | None:
+    """The trailing dims ``dim_zero_cat`` gives items of these ``[n, SHAPE_WORDS]`` shapes; None if they differ."""
+    ndims = shapes[:, 0]
+    if bool((ndims <= 1).all()):
+        return ()  # scalars and vectors concatenate to a vector
+    if not bool((ndims == ndims[0]).all()):
+        return None
+    ndim = int(ndims[0])
+    dims = shapes[:, 2 : 1 + ndim]
+    if not bool((dims == dims[:1]).all()):
+        return None
+    return tuple(dims[0].tolist())
+
+
+def _pieces(rows: Tensor, eplan: EntryPlan, device: torch.device) -> list:  # type: ignore[type-arg]
+    """One piece per rank: a tensor with its true shape, or a list of tensors (list entries)."""
+    return [_piece(rows, eplan, rank, device) for rank in range(eplan.numels.shape[0])]
+
+
+def _piece(rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> Tensor | list[Tensor]:
+    assert eplan.offsets is not None and eplan.table_bytes is not None
+    offset, numel = int(eplan.offsets[rank]), int(eplan.numels[rank])
+    if eplan.kind == KIND_TENSOR:
+        if numel == 0:
+            shape = eplan.empty_shape if eplan.empty_shape is not None else eplan.shape_of(rank)
+            dtype = eplan.dtype or dtype_of(int(eplan.dtype_codes[rank])) or torch.get_default_dtype()
+            return torch.empty(shape, dtype=dtype, device=device)
+        assert eplan.dtype is not None  # a rank with data has a dtype
+        data = rows[rank, offset : offset + numel * eplan.dtype.itemsize].view(eplan.dtype)
+        return data.view(eplan.shape_of(rank)).to(device)
+    count = int(eplan.items[rank])
     if count == 0:
         return []
-    offset = eplan.offsets[rank]
-    table = row[offset : offset + count * (1 + MAX_NDIM) * 8].view(torch.int64).view(count, 1 + MAX_NDIM).tolist()
+    table = rows[rank, offset : offset + count * SHAPE_WORDS * 8].view(torch.int64).view(count, SHAPE_WORDS).tolist()
     dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
-    data = None
-    if eplan.dtype is not None:
-        data = _section(row, eplan.dtype, offset + eplan.table_bytes[rank], eplan.numels[rank])
-    if join and data is not None and count > 1:
-        shapes = [tuple(slots[1 : 1 + slots[0]]) for slots in table]
-        if all(len(shape) <= 1 for shape in shapes):  # scalars and vectors: what dim_zero_cat makes of them
-            return [data.to(device)]
-        trailing = {shape[1:] for shape in shapes}
-        if len(trailing) == 1 and all(len(shape) > 1 for shape in shapes):
-            return [data.view(-1, *trailing.pop()).to(device)]
-    items, start = [], 0
+    start = offset + int(eplan.table_bytes[rank])
+    items = []
     for slots in table:
         shape = tuple(slots[1 : 1 + slots[0]])
-        numel = 1
-        for size in shape:
-            numel *= size
-        if data is None or numel == 0:
+        size = 1
+        for dim in shape:
+            size *= dim
+        if eplan.dtype is None or size == 0:
             items.append(torch.empty(shape, dtype=dtype, device=device))
         else:
-            items.append(data[start : start + numel].view(shape).to(device))
-        start += numel
+            items.append(rows[rank, start : start + size * dtype.itemsize].view(dtype).view(shape).to(device))
+        start += size * dtype.itemsize
     return items
+
+
+def rank_piece(result: Result, rank: int, rows: Tensor, plan: Plan, index: int, device: torch.device) -> Entry:
+    """Rank ``rank``'s own piece of an unpacked entry (the slow path of compute groups that differ by rank)."""
+    if isinstance(result, list):
+        return result[rank]  # type: ignore[no-any-return]
+    if isinstance(result, Stacked):
+        return result.tensor[rank]
+    return _piece(rows, plan.entries[index], rank, device)
+
+
+def _with_refs(
+    rows: Tensor, plan: Plan, index: int, results: list[Result | None], device: torch.device
+) -> Result | None:
+    """An entry some ranks sent as a reference to an earlier entry (a state shared by a compute group)."""
+    eplan = plan.entries[index]
+    refs = eplan.refs.tolist()
+    if all(ref >= 0 for ref in refs) and len(set(refs)) == 1:
+        return None  # the same object as an earlier entry on every rank: the caller reuses that entry's value
+    pieces: list[Entry] = []
+    for rank, ref in enumerate(refs):
+        if ref >= 0:
+            earlier = results[ref]
+            assert earlier is not None and not isinstance(earlier, Reduced)
+            pieces.append(rank_piece(earlier, rank, rows, plan, ref, device))
+        else:
+            pieces.append(_piece(rows, eplan, rank, device))
+    return pieces

@@ -1,26 +1,24 @@
-"""The sync protocol, read top to bottom: describe, exchange metadata, plan, pack, exchange data, unpack.
+"""The sync protocol's records and plan: what every rank says it holds, and what all ranks decide from that.
 
-Every rank runs the same steps in the same order whatever it holds:
+Every sync runs the same steps on every rank, whatever each holds (see :mod:`torchmetrics_varlen._engine`):
 
-1. ``describe`` turns the local entries (a tensor, or a list of tensors) into one fixed-size ``int64`` record:
-   a header (protocol magic, what is being synced, a readable label, local errors) and one slot per entry
-   (kind, dtype, element count, item count, shape).
-2. The records of all ranks are exchanged in one collective (see :mod:`torchmetrics_varlen._transport`).
-3. ``make_plan`` decides everything from that table alone: errors (raised on every rank alike), each rank's byte
-   layout, the padded transfer size, the dtype and trailing shape an empty rank takes from its peers.
-4. ``pack`` (:mod:`torchmetrics_varlen._buffers`) copies the local entries into one ``uint8`` buffer, each section
-   aligned so it can be viewed as its dtype.
-5. One collective moves every rank's buffer.
-6. ``unpack`` (same module) cuts each rank's sections back out as views with their true shape and dtype: padding
-   never escapes.
+1. ``describe`` turns the local entries (a tensor, or a list of tensors) into an ``int64`` record: a header
+   (protocol magic, what is being synced, a readable label, flags, local errors) and one slot per entry (kind, dtype,
+   element count, item count, an auxiliary word, shape). Its length follows from the number of entries.
+2. The records of all ranks are exchanged in one collective, at a length every rank of the group agrees on
+   (see ``_transport.exchange_records``).
+3. ``make_plan`` decides everything from that ``[world_size, words]`` table alone, in tensor operations over the
+   table (no Python loop over ranks): errors (raised on every rank alike), which states travel by all-reduce and
+   which by gather, each rank's byte layout, the transfer size, the dtype and trailing shape an empty rank takes.
 
 No rank branches on its local data before step 3, so no rank can skip a collective its peers issue.
 """
 
 import functools
+import threading
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -38,27 +36,40 @@ class Ref:
 Entry = Tensor | list[Tensor]
 LocalEntry = Tensor | list[Tensor] | Ref
 
-MAGIC = 0x746D_766C_0001  # "tmvl", protocol version 1
+MAGIC = 0x746D_766C_0002  # "tmvl", protocol version 2
 MAX_NDIM = 6
 ALIGN = 16  # bytes: enough for every dtype, complex128 included, to be viewed in place
 LABEL_WORDS = 3  # 24 bytes of the label travel in the record
 
-# Header slots.
+# Header words.
 H_MAGIC, H_CONTEXT, H_LABEL = 0, 1, 2
-H_SYNCED, H_N, H_ERROR, H_ERROR_ENTRY = (H_LABEL + LABEL_WORDS + i for i in range(4))
+H_FLAGS, H_N, H_ERROR, H_ERROR_ENTRY = (H_LABEL + LABEL_WORDS + i for i in range(4))
 HEADER_LEN = H_ERROR_ENTRY + 1
-# Entry slots.
-E_KIND, E_DTYPE, E_NUMEL, E_ITEMS, E_NDIM, E_DIMS = 0, 1, 2, 3, 4, 5
-ENTRY_LEN = 5 + MAX_NDIM
+FLAG_SYNCED = 1  # this rank's result is cached / already synced: skip the data step if every rank says so
+FLAG_GRAD = 2  # a local state carries a rank-local autograd graph: gather everything, as stock does, to keep it
+FLAG_DIFF = 4  # a differentiable sync (``sync_grads=True`` in grad mode): every rank must agree
+# An entry's slot, as the plan reads it (``unpack_slots``).
+E_KIND, E_DTYPE, E_NUMEL, E_ITEMS, E_AUX, E_NDIM, E_DIMS = 0, 1, 2, 3, 4, 5, 6
+SLOT_LEN = E_DIMS + MAX_NDIM
+# An entry's slot as it travels: 6 words. Word 0 packs kind (2 bits), dtype code (6), ndim (4) and the item count;
+# then the element count, the auxiliary word, and the dims two per word (32 bits each).
+W_HEAD, W_NUMEL, W_AUX, W_DIMS = 0, 1, 2, 3
+ENTRY_LEN = W_DIMS + MAX_NDIM // 2
+MAX_DIM = 2**31 - 1
+SHAPE_WORDS = 1 + MAX_NDIM  # ndim and dims: one row of a list entry's item shape table
 
 KIND_TENSOR, KIND_LIST, KIND_REF = 1, 2, 3
-# Entry slots a record always has room for, so that records are equal in size on every rank whatever each holds.
-# Syncs of more entries take one more metadata exchange, sized from the first one's headers.
-RECORD_SLOTS = 128
+
+
+def record_words(entries: int) -> int:
+    """Length in words of a record of ``entries`` entries."""
+    return HEADER_LEN + entries * ENTRY_LEN
+
 
 # Local problems found by ``describe``; reported through the record so that every rank raises together.
-ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT, ERR_DTYPE = 0, 1, 2, 3, 4, 5
+ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT, ERR_DTYPE, ERR_DIM = 0, 1, 2, 3, 4, 5, 6
 _ERROR_TEXT = {
+    ERR_DIM: f"a tensor with a dimension larger than {MAX_DIM} (flatten it, or use a `cat` list state)",
     ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
     ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
     ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
@@ -73,6 +84,7 @@ _DTYPE_NAMES = (
 # Code 0 means "no dtype" (an empty list). Codes only grow at the end so that versions stay compatible.
 _DTYPES: list[torch.dtype] = [getattr(torch, name) for name in _DTYPE_NAMES if hasattr(torch, name)]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES, start=1)}
+_ITEMSIZE = torch.tensor([0] + [dtype.itemsize for dtype in _DTYPES], dtype=torch.int64)
 
 
 def context_hash(text: str) -> int:
@@ -90,28 +102,33 @@ def _decode_label(words: Sequence[int]) -> str:
     return raw.rstrip(b"\0").decode(errors="replace")
 
 
-def _align(nbytes: int) -> int:
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to the section alignment."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
 def dtype_name(code: int) -> str:
     """Readable name of a dtype code, for error messages."""
-    return str(_DTYPES[code - 1]).replace("torch.", "") if code > 0 else "-"
+    return str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else "-"
 
 
-def _shape_slots(shape: Sequence[int]) -> list[int]:
+def shape_slots(shape: Sequence[int]) -> list[int]:
+    """``[ndim, *dims]`` padded to ``SHAPE_WORDS``: a shape as it travels."""
     return [len(shape), *shape, *([0] * (MAX_NDIM - len(shape)))]
 
 
-def describe(entries: Sequence[LocalEntry], context: int, label: str, synced: bool = False) -> list[int]:
-    """Build this rank's metadata record: a header plus one slot per entry (callers pad it to a fixed size)."""
+def describe(
+    entries: Sequence[LocalEntry], context: int, label: str, flags: int = 0, aux: Sequence[int] | None = None
+) -> list[int]:
+    """This rank's metadata record: a header plus one slot per entry (``aux``: one word per entry, or zeros)."""
     error, error_entry = ERR_NONE, -1
     slots: list[int] = []
     for index, entry in enumerate(entries):
-        slot = [0] * ENTRY_LEN
+        slot = [0] * SLOT_LEN
+        slot[E_AUX] = aux[index] if aux is not None else 0
         if isinstance(entry, Ref):
             slot[E_KIND], slot[E_ITEMS] = KIND_REF, entry.index
-            slots.extend(slot)
+            slots.extend(_pack_slot(slot))
             continue
         problem = _entry_problem(entry)
         if problem != ERR_NONE and error == ERR_NONE:
@@ -119,15 +136,30 @@ def describe(entries: Sequence[LocalEntry], context: int, label: str, synced: bo
         if problem == ERR_NONE and isinstance(entry, Tensor):
             slot[E_KIND], slot[E_DTYPE] = KIND_TENSOR, _DTYPE_CODE[entry.dtype]
             slot[E_NUMEL], slot[E_ITEMS] = entry.numel(), 1
-            slot[E_NDIM : E_NDIM + 1 + MAX_NDIM] = _shape_slots(entry.shape)
+            slot[E_NDIM:] = shape_slots(entry.shape)
         elif problem == ERR_NONE:
             nonempty = [t for t in entry if t.numel() > 0]
             dtype_code = _DTYPE_CODE[(nonempty or entry)[0].dtype] if entry else 0
             slot[E_KIND], slot[E_DTYPE], slot[E_ITEMS] = KIND_LIST, dtype_code, len(entry)
             slot[E_NUMEL] = sum(t.numel() for t in entry)
-        slots.extend(slot)
-    header = [MAGIC, context, *_encode_label(label), int(synced), len(entries), error, error_entry]
+        slots.extend(_pack_slot(slot))
+    header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry]
     return header + slots
+
+
+def _pack_slot(slot: list[int]) -> list[int]:
+    dims = slot[E_DIMS:]
+    head = slot[E_KIND] | slot[E_DTYPE] << 2 | slot[E_NDIM] << 8 | slot[E_ITEMS] << 12
+    return [head, slot[E_NUMEL], slot[E_AUX], *(dims[i] | dims[i + 1] << 32 for i in range(0, MAX_NDIM, 2))]
+
+
+def unpack_slots(packed: Tensor) -> Tensor:
+    """``[..., ENTRY_LEN]`` slots as they travel to ``[..., SLOT_LEN]`` slots indexed by ``E_*``."""
+    head = packed[..., W_HEAD]
+    dims = packed[..., W_DIMS:]
+    low, high = dims & 0xFFFF_FFFF, dims >> 32
+    fields = [head & 3, (head >> 2) & 63, packed[..., W_NUMEL], head >> 12, packed[..., W_AUX], (head >> 8) & 15]
+    return torch.cat([torch.stack(fields, dim=-1), torch.stack([low, high], dim=-1).flatten(-2)], dim=-1)
 
 
 def _entry_problem(entry: Entry) -> int:
@@ -136,7 +168,9 @@ def _entry_problem(entry: Entry) -> int:
             return ERR_LAYOUT
         if entry.dtype not in _DTYPE_CODE:
             return ERR_DTYPE
-        return ERR_NDIM if entry.ndim > MAX_NDIM else ERR_NONE
+        if entry.ndim > MAX_NDIM:
+            return ERR_NDIM
+        return ERR_DIM if any(size > MAX_DIM for size in entry.shape) else ERR_NONE
     if not isinstance(entry, list):
         return ERR_NOT_TENSOR
     dtypes = set()
@@ -151,40 +185,68 @@ def _entry_problem(entry: Entry) -> int:
     return ERR_LIST_DTYPE if len(dtypes) > 1 else ERR_NONE
 
 
+# ---------------------------------------------------------------------------------------------------------- plan
+# Reductions the plan can move by all-reduce (equal shape and dtype on every rank). Stock's `mean` is a sum / W.
+OP_NONE, OP_SUM, OP_MAX, OP_MIN, OP_MEAN = 0, 1, 2, 3, 4
+ROUTE_GATHER, ROUTE_REDUCE = 0, 1
+
+
 @dataclass
 class EntryPlan:
-    """What every rank knows about one entry after the metadata exchange."""
+    """What every rank knows about one entry after the metadata exchange. Per-rank fields are ``[W]`` tensors."""
 
     kind: int
     dtype: torch.dtype | None  # the common dtype of the non-empty ranks; None when every rank is empty
-    own_dtypes: list[torch.dtype | None]  # per rank: what it sent (kept when no rank holds data)
-    numels: list[int]  # per rank
-    items: list[int]  # per rank
-    shapes: list[tuple[int, ...]]  # per rank (tensor entries)
+    dtype_codes: Tensor  # per rank: the dtype it sent (kept when no rank holds data)
+    numels: Tensor
+    items: Tensor
+    shapes: Tensor  # [W, SHAPE_WORDS] (tensor entries)
+    refs: Tensor  # per rank: index of the earlier entry this one repeats, or -1
     empty_shape: tuple[int, ...] | None  # shape an empty rank takes: (0, *trailing dims of the first non-empty rank)
-    offsets: list[int]  # per rank: byte offset of this entry's section in that rank's buffer
-    table_bytes: list[int]  # per rank: bytes of the item shape table (list entries)
-    refs: list[int]  # per rank: index of the earlier entry this one repeats, or -1
-    dense: bool = False  # a tensor of the same shape and dtype on every rank: moved in a dtype group, see DenseGroup
+    offsets: Tensor | None = None  # per rank: byte offset of this entry's section (gathered, not dense)
+    table_bytes: Tensor | None = None  # per rank: bytes of the item shape table (list entries)
+    dense: bool = False  # a tensor of the same shape and dtype on every rank
+    shape: tuple[int, ...] = ()  # dense entries: the common shape
+    route: int = ROUTE_GATHER
+
+    def shape_of(self, rank: int) -> tuple[int, ...]:
+        """Rank ``rank``'s shape (tensor entries)."""
+        row = self.shapes[rank].tolist()
+        return tuple(row[1 : 1 + row[0]])
 
 
 @dataclass
 class DenseGroup:
-    """Dense entries of one dtype, back to back at the same offset in every rank's buffer.
+    """Dense gathered entries of one dtype, back to back at the same offset in every rank's buffer.
 
     Most metric states (sums, counts, confusion matrices) are dense. Packing them with one ``cat`` and cutting them
     out of the gathered rows as ``[world_size, *shape]`` blocks costs a few tensor operations per group instead of
-    several per entry and rank, which is what makes syncing a hundred small states cheap.
+    several per entry and rank.
     """
 
     dtype: torch.dtype
     start: int  # byte offset, equal on every rank
-    indices: list[int]  # entry indices
-    numels: list[int]  # elements per entry
+    indices: list[int]
+    numels: list[int]
 
     @property
     def nbytes(self) -> int:
         """Bytes the group occupies in each rank's buffer."""
+        return sum(self.numels) * self.dtype.itemsize
+
+
+@dataclass
+class ReduceGroup:
+    """Dense entries summed (or maxed, minned) by one all-reduce of a flat buffer of ``dtype``."""
+
+    op: int
+    dtype: torch.dtype  # the transport dtype (integers travel as int64, half floats as float32)
+    indices: list[int] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the all-reduced buffer."""
         return sum(self.numels) * self.dtype.itemsize
 
 
@@ -194,101 +256,265 @@ class Plan:
 
     world_size: int
     entries: list[EntryPlan]
-    nbytes: list[int]  # per rank: used bytes of its buffer
-    all_synced: bool
-    any_synced: bool
+    nbytes: Tensor  # per rank: used bytes of its gather buffer
+    max_bytes: int  # transfer size per rank of the padded gather
+    flags: Tensor  # per rank: header flags
+    aux: Tensor  # [W, entries]: the auxiliary words
     groups: list[DenseGroup]
+    reduce_groups: list[ReduceGroup]
 
     @property
-    def max_bytes(self) -> int:
-        """Transfer size per rank: the largest buffer, so equal-size transports need no more padding."""
-        return max(self.nbytes)
+    def all_synced(self) -> bool:
+        """Every rank reported its result cached or synced: the data step is skipped."""
+        return bool((self.flags & FLAG_SYNCED).all())
+
+    differentiable: bool = False  # the data step runs inside an autograd function (see ``_engine``)
 
 
-_PLANS: dict[bytes, Plan] = {}
+# Moving a reducible group by all-reduce instead of inside the gather saves about (W - 2) x its bytes of traffic per
+# rank (and W x its bytes of receive memory) but costs one more collective. Below this many bytes of saving, one
+# collective's latency is worth more (measured on gloo: a small collective costs about what 64 KiB of transfer does).
+REDUCE_MIN_SAVING = 64 * 2**10
+_REDUCE_DTYPES = {torch.int64, torch.float32, torch.float64}  # all-reduce works on these on every backend
+
+
+def reduce_dtype(op: int, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a dense state of ``dtype`` travels in when all-reduced with ``op``, or None to gather it.
+
+    Integers (and bools) sum as int64, which is what ``torch.sum`` gives, so the result is bit-identical. Max and min
+    are exact in any wider type. Half floats travel as float32. Complex and float8 states are gathered.
+    """
+    if op == OP_NONE or dtype.is_complex or (dtype.itemsize == 1 and dtype.is_floating_point):
+        return None
+    if dtype.is_floating_point:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+    return None if op == OP_MEAN else torch.int64  # torch.mean refuses integers: gather, and raise as stock does
+
+
+_PLANS: dict[tuple[bytes, tuple[int, ...], str], Plan] = {}
+_PLANS_LOCK = threading.Lock()  # the Join worker thread plans too
 PLAN_CACHE_SIZE = 64
 
 
-def make_plan(table: list[list[int]], what: str, digest: bytes | None = None) -> Plan:
+def make_plan(
+    table: Tensor,
+    what: str,
+    ops: Sequence[int] | None = None,
+    reduce: str = "auto",
+    digest: bytes | None = None,
+    grad: str = "if_graph",
+) -> Plan:
     """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike.
 
-    ``digest`` identifies the table (see ``gather.exchange_records``): a metric synced again and again sends the same
-    table each time (same shapes, same ranks synced), and laying out a hundred states costs more than looking its
-    plan up. Plans are never mutated after this; a table that raises is never cached.
+    ``ops`` gives, per entry, the reduction the caller applies afterwards (equal on every rank, since it follows
+    from the synced layout whose hash every record carries); ``reduce`` is "auto" (cost model), "never" or
+    "always". ``grad`` says when a sync that every rank asked to be differentiable (``FLAG_DIFF``) really is:
+    "always" (a per-step sync in grad mode: the result is a loss) or "if_graph" (only when some rank's states carry
+    a graph). ``digest`` identifies the table: a metric synced again and again sends the same table, and a plan
+    looked up costs less than one made. Plans are never mutated after this; a table that raises is never cached.
     """
-    plan = _PLANS.get(digest) if digest is not None else None
-    if plan is None:
-        plan = _make_plan(table, what)
-        if digest is not None:
+    key = (digest, tuple(ops or ()), reduce + grad) if digest is not None else None
+    if key is not None:
+        with _PLANS_LOCK:
+            plan = _PLANS.get(key)  # type: ignore[arg-type]
+        if plan is not None:
+            return plan
+    plan = _make_plan(table, what, ops, reduce, grad)
+    if key is not None:
+        with _PLANS_LOCK:
             if len(_PLANS) >= PLAN_CACHE_SIZE:
                 del _PLANS[next(iter(_PLANS))]  # the oldest
-            _PLANS[digest] = plan
+            _PLANS[key] = plan  # type: ignore[index]
     return plan
 
 
-def _make_plan(table: list[list[int]], what: str) -> Plan:
-    world = len(table)
-    _check_headers(table, what)
+def _make_plan(table: Tensor, what: str, ops: Sequence[int] | None, reduce: str, grad: str) -> Plan:
+    world = table.shape[0]
+    check_headers(table, what)
+    count = int(table[0, H_N])
+    slots = unpack_slots(table[:, HEADER_LEN : HEADER_LEN + count * ENTRY_LEN].reshape(world, count, ENTRY_LEN))
+    shape_part = slots[:, :, E_KIND:E_AUX]  # everything but the auxiliary word decides equality
+    geometry = torch.cat([shape_part, slots[:, :, E_NDIM:]], dim=2)
+    same = (geometry == geometry[:1]).all(dim=2).all(dim=0).tolist() if count else []
+    first = slots[0].tolist() if count else []
     entries: list[EntryPlan] = []
-    groups: dict[torch.dtype, DenseGroup] = {}
-    for index in range(table[0][H_N]):
-        base = HEADER_LEN + index * ENTRY_LEN
-        slots = [row[base : base + ENTRY_LEN] for row in table]
-        first = slots[0]
-        if first[E_KIND] == KIND_TENSOR and first[E_NUMEL] > 0 and all(slot == first for slot in slots[1:]):
-            plan = _dense_entry(tuple(first), world)
-            assert plan.dtype is not None
-            group = groups.setdefault(plan.dtype, DenseGroup(plan.dtype, 0, [], []))
-            group.indices.append(index)
-            group.numels.append(first[E_NUMEL])
+    for index in range(count):
+        row = first[index]
+        if same[index] and row[E_KIND] == KIND_TENSOR and row[E_NUMEL] > 0:
+            entries.append(_dense_entry(tuple(row), world))
         else:
-            plan = _plan_entry(slots, index, table, what)
-        entries.append(plan)
-    # Dense groups first, so that they sit at the same offset in every rank's buffer; then the uneven entries.
+            entries.append(_plan_entry(slots[:, index], index, table, what))
+    flags = table[:, H_FLAGS]
+    any_graph = bool((flags & FLAG_GRAD).any())
+    differentiable = bool((flags & FLAG_DIFF).all()) and (grad == "always" or any_graph)
+    if any_graph and not differentiable:
+        reduce = "never"  # the local slot gets this rank's own tensor back, with its graph, as stock does
+    reduce_groups = _route(entries, ops, world, reduce, differentiable)
+    groups = _dense_groups(entries)
     used = 0
-    for group in groups.values():
+    for group in groups:
         group.start = used
-        used = _align(used + group.nbytes)
-    nbytes = [used] * world
-    for plan in entries:
-        if plan.dense:
+        used = align(used + group.nbytes)
+    nbytes = _layout_uneven(entries, world, used)
+    return Plan(
+        world_size=world,
+        entries=entries,
+        nbytes=nbytes,
+        max_bytes=int(nbytes.max()) if world else 0,
+        flags=table[:, H_FLAGS].clone(),
+        aux=slots[:, :, E_AUX].clone(),
+        groups=groups,
+        reduce_groups=reduce_groups,
+        differentiable=differentiable,
+    )
+
+
+def _route(
+    entries: list[EntryPlan], ops: Sequence[int] | None, world: int, reduce: str, differentiable: bool
+) -> list[ReduceGroup]:
+    """Choose the all-reduced entries: whole (op, dtype) buckets, when the bytes saved pay for a collective."""
+    if ops is None or reduce == "never":
+        return []
+    # A state some ranks share with an earlier entry (a compute group formed on some ranks only) needs the earlier
+    # entry's per-rank pieces, which an all-reduce does not keep.
+    shared = {int(ref) for entry in entries if not entry.dense for ref in entry.refs.tolist() if ref >= 0}
+    buckets: dict[tuple[int, torch.dtype], ReduceGroup] = {}
+    for index, (entry, op) in enumerate(zip(entries, ops, strict=True)):
+        eligible = entry.dense and entry.dtype is not None and index not in shared
+        if differentiable and op in (OP_MAX, OP_MIN):
+            eligible = False  # the gradient of a max goes to one rank's element: the gathered stack keeps it
+        transport = reduce_dtype(op, entry.dtype) if eligible and entry.dtype is not None else None
+        if transport is None:
             continue
-        for rank in range(world):
-            plan.offsets.append(nbytes[rank])
-            section = plan.table_bytes[rank]
-            if plan.dtype is not None:
-                section += _align(plan.numels[rank] * plan.dtype.itemsize)
-            nbytes[rank] += section
-    synced = [bool(row[H_SYNCED]) for row in table]
-    return Plan(world, entries, nbytes, all(synced), any(synced), list(groups.values()))
+        bucket = buckets.setdefault((OP_SUM if op == OP_MEAN else op, transport), ReduceGroup(op, transport))
+        bucket.op = OP_SUM if op == OP_MEAN else op
+        bucket.indices.append(index)
+        bucket.numels.append(int(entry.numels[0]))
+    chosen = [
+        bucket for bucket in buckets.values() if reduce == "always" or (world - 2) * bucket.nbytes >= REDUCE_MIN_SAVING
+    ]
+    for bucket in chosen:
+        for index in bucket.indices:
+            entries[index] = _with_route(entries[index], ROUTE_REDUCE)
+    return chosen
+
+
+def _with_route(entry: EntryPlan, route: int) -> EntryPlan:
+    # Dense entries are shared between plans (cached), so a routed one is a copy.
+    copy = EntryPlan(**{name: getattr(entry, name) for name in entry.__dataclass_fields__})
+    copy.route = route
+    return copy
+
+
+def _dense_groups(entries: list[EntryPlan]) -> list[DenseGroup]:
+    groups: dict[torch.dtype, DenseGroup] = {}
+    for index, entry in enumerate(entries):
+        if entry.dense and entry.route == ROUTE_GATHER:
+            assert entry.dtype is not None
+            group = groups.setdefault(entry.dtype, DenseGroup(entry.dtype, 0, [], []))
+            group.indices.append(index)
+            group.numels.append(int(entry.numels[0]))
+    return list(groups.values())
+
+
+def _layout_uneven(entries: list[EntryPlan], world: int, start: int) -> Tensor:
+    """Per-rank offsets of the uneven entries after the dense groups: one cumulative sum over ``[W, entries]``."""
+    uneven = [entry for entry in entries if not entry.dense]
+    if not uneven:
+        return torch.full((world,), start, dtype=torch.int64)
+    sections = torch.stack([_section_bytes(entry) for entry in uneven], dim=1)  # [W, m]
+    ends = start + sections.cumsum(dim=1)
+    for position, entry in enumerate(uneven):
+        entry.offsets = ends[:, position] - sections[:, position]
+    return ends[:, -1]
+
+
+def _section_bytes(entry: EntryPlan) -> Tensor:
+    assert entry.table_bytes is not None
+    data = entry.numels * (entry.dtype.itemsize if entry.dtype is not None else 0)
+    data = torch.where(entry.refs >= 0, 0, -(-data // ALIGN) * ALIGN)
+    return entry.table_bytes + data
 
 
 @functools.lru_cache(maxsize=1024)
 def _dense_entry(slot: tuple[int, ...], world: int) -> EntryPlan:
     # Shared between entries and syncs, so never mutated: a dense entry's place is its group's business.
     dtype = _DTYPES[slot[E_DTYPE] - 1]
-    shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
+    ones = torch.ones(world, dtype=torch.int64)
     return EntryPlan(
         kind=KIND_TENSOR,
         dtype=dtype,
-        own_dtypes=[dtype] * world,
-        numels=[slot[E_NUMEL]] * world,
-        items=[1] * world,
-        shapes=[shape] * world,
+        dtype_codes=ones * slot[E_DTYPE],
+        numels=ones * slot[E_NUMEL],
+        items=ones,
+        shapes=torch.tensor([slot[E_NDIM:]] * world, dtype=torch.int64),
+        refs=-ones,
         empty_shape=None,
-        offsets=[],
-        table_bytes=[0] * world,
-        refs=[-1] * world,
         dense=True,
+        shape=tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]]),
     )
 
 
-def _rank_lines(table: list[list[int]], entry: int | None = None) -> str:
+def _plan_entry(slots: Tensor, index: int, table: Tensor, what: str) -> EntryPlan:
+    """An entry whose slots differ between ranks (uneven sizes, empty ranks, lists, shared objects)."""
+    kinds = slots[:, E_KIND]
+    is_ref = kinds == KIND_REF
+    refs = torch.where(is_ref, slots[:, E_ITEMS], -1)
+    if bool((refs >= index).any()):
+        raise SyncMismatchError(f"{what}: entry {index} refers to a later entry; this is a torchmetrics_varlen bug.")
+    own = slots.masked_fill(is_ref.unsqueeze(1), 0)  # a rank repeating an earlier entry sends nothing for it
+    real_kinds = set(own[:, E_KIND].tolist()) - {0}
+    if len(real_kinds) > 1:
+        raise SyncMismatchError(
+            f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + rank_lines(table, index)
+        )
+    kind = real_kinds.pop() if real_kinds else KIND_REF
+    nonempty = own[:, E_NUMEL] > 0
+    codes = sorted(set(own[:, E_DTYPE][nonempty].tolist()))  # only ranks with data must agree
+    if len(codes) > 1:
+        raise SyncMismatchError(
+            f"{what}: expected entry {index} to have one dtype on every rank that holds data, but got"
+            f" {sorted(dtype_name(c) for c in codes)}. Cast the state to one dtype on every rank.\n"
+            + rank_lines(table, index)
+        )
+    empty_shape = None
+    if kind == KIND_TENSOR and codes:
+        # A 0-d tensor counts as a 1-d tensor of one element: a one-item `cat` list arrives 0-d, a longer one 1-d.
+        ndims = sorted(set(own[:, E_NDIM][nonempty].clamp(min=1).tolist()))
+        if len(ndims) > 1:
+            raise SyncMismatchError(
+                f"{what}: expected entry {index} to have the same number of dimensions on every rank that holds"
+                f" data, but got {sorted(ndims)}.\n" + rank_lines(table, index)
+            )
+        first = own[nonempty][0].tolist()
+        empty_shape = (0, *first[E_DIMS + 1 : E_DIMS + first[E_NDIM]])
+    table_bytes = -(-(own[:, E_ITEMS] * SHAPE_WORDS * 8) // ALIGN) * ALIGN if kind == KIND_LIST else own[:, 0] * 0
+    return EntryPlan(
+        kind=kind,
+        dtype=_DTYPES[codes[0] - 1] if codes else None,
+        dtype_codes=own[:, E_DTYPE],
+        numels=own[:, E_NUMEL],
+        items=own[:, E_ITEMS],
+        shapes=own[:, E_NDIM:],
+        refs=refs,
+        empty_shape=empty_shape,
+        table_bytes=table_bytes,
+    )
+
+
+def dtype_of(code: int) -> torch.dtype | None:
+    """The dtype of a code (None for 0: an empty list sent no dtype)."""
+    return _DTYPES[code - 1] if code > 0 else None
+
+
+def rank_lines(table: Tensor, entry: int | None = None) -> str:
+    """One line per rank saying what it synced (and, with ``entry``, what it held there): error messages."""
     lines = []
-    for rank, row in enumerate(table):
+    for rank, row in enumerate(table.tolist()):
         text = f"  rank {rank}: {_decode_label(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
-        if entry is not None and entry < row[H_N]:
-            slot = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
+        if entry is not None and entry < row[H_N] and len(row) >= record_words(entry + 1):
+            packed = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
+            slot = unpack_slots(torch.tensor(packed, dtype=torch.int64)).tolist()
             if slot[E_KIND] == KIND_LIST:
                 items, numel = slot[E_ITEMS], slot[E_NUMEL]
                 text += f", list of {items} tensors, {numel} elements, dtype={dtype_name(slot[E_DTYPE])}"
@@ -299,68 +525,34 @@ def _rank_lines(table: list[list[int]], entry: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def _check_headers(table: list[list[int]], what: str) -> None:
-    if any(row[H_MAGIC] != MAGIC for row in table):
-        bad = [rank for rank, row in enumerate(table) if row[H_MAGIC] != MAGIC]
+def check_headers(table: Tensor, what: str) -> None:
+    """Raise `SyncMismatchError` (on every rank alike) when the ranks are not syncing the same thing."""
+    if not bool((table[:, H_MAGIC] == MAGIC).all()):
+        bad = (table[:, H_MAGIC] != MAGIC).nonzero().flatten().tolist()
         raise SyncMismatchError(
             f"{what}: ranks {bad} are not running the torchmetrics_varlen sync protocol (version {MAGIC & 0xFFFF}) at"
             " this point. Every rank must call the same sync in the same order; mixing torchmetrics_varlen versions or"
             " stock collectives at the same step is not supported."
         )
-    if len({(row[H_CONTEXT], row[H_N]) for row in table}) > 1:
+    keys = table[:, [H_CONTEXT, H_N]]
+    if not bool((keys == keys[:1]).all()):
         raise SyncMismatchError(
             f"{what}: ranks are syncing different things at the same time (different metric, state layout, or phase:"
             " per-step sync vs epoch compute). Every rank must sync the same metrics in the same order.\n"
-            + _rank_lines(table)
+            + rank_lines(table)
         )
-    for rank, row in enumerate(table):
-        if row[H_ERROR] != ERR_NONE:
-            raise SyncMismatchError(
-                f"{what}: rank {rank} holds {_ERROR_TEXT.get(row[H_ERROR], 'an unsupported value')} in entry"
-                f" {row[H_ERROR_ENTRY]}; it cannot be synced.\n" + _rank_lines(table, row[H_ERROR_ENTRY])
-            )
-
-
-def _plan_entry(slots: list[list[int]], index: int, table: list[list[int]], what: str) -> EntryPlan:
-    refs = [slot[E_ITEMS] if slot[E_KIND] == KIND_REF else -1 for slot in slots]
-    if any(ref >= index for ref in refs):
-        raise SyncMismatchError(f"{what}: entry {index} refers to a later entry; this is a torchmetrics_varlen bug.")
-    slots = [slot if slot[E_KIND] != KIND_REF else [0] * ENTRY_LEN for slot in slots]
-    kinds = {slot[E_KIND] for slot in slots} - {0}
-    if len(kinds) > 1:
+    diff = (table[:, H_FLAGS] & FLAG_DIFF) != 0
+    if bool(diff.any()) and not bool(diff.all()):
         raise SyncMismatchError(
-            f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + _rank_lines(table, index)
+            f"{what}: ranks {diff.nonzero().flatten().tolist()} run a differentiable sync (`sync_grads=True` in grad"
+            " mode) and the others do not; the backward pass would wait for them. Run the same code on every rank"
+            " (same `sync_grads`, same `torch.no_grad()` context).\n" + rank_lines(table)
         )
-    kind = kinds.pop() if kinds else KIND_REF
-    nonempty = [slot for slot in slots if slot[E_NUMEL] > 0]
-    dtype_codes = {slot[E_DTYPE] for slot in nonempty}  # only ranks with data must agree
-    if len(dtype_codes) > 1:
+    failing = (table[:, H_ERROR] != ERR_NONE).nonzero().flatten().tolist()
+    if failing:
+        rank = failing[0]
+        error, entry = int(table[rank, H_ERROR]), int(table[rank, H_ERROR_ENTRY])
         raise SyncMismatchError(
-            f"{what}: expected entry {index} to have one dtype on every rank that holds data, but got"
-            f" {sorted(dtype_name(c) for c in dtype_codes)}. Cast the state to one dtype on every rank.\n"
-            + _rank_lines(table, index)
+            f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in entry {entry}; it cannot"
+            " be synced.\n" + rank_lines(table, entry)
         )
-    shapes = [tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]]) for slot in slots]
-    empty_shape = None
-    if kind == KIND_TENSOR and nonempty:
-        # A 0-d tensor counts as a 1-d tensor of one element: a one-item `cat` list arrives 0-d, a longer one 1-d.
-        ndims = {max(slot[E_NDIM], 1) for slot in nonempty}
-        if len(ndims) > 1:
-            raise SyncMismatchError(
-                f"{what}: expected entry {index} to have the same number of dimensions on every rank that holds"
-                f" data, but got {sorted(ndims)}.\n" + _rank_lines(table, index)
-            )
-        first = nonempty[0]
-        empty_shape = (0, *first[E_DIMS + 1 : E_DIMS + first[E_NDIM]])
-    return EntryPlan(
-        kind=kind,
-        dtype=_DTYPES[dtype_codes.pop() - 1] if dtype_codes else None,
-        own_dtypes=[_DTYPES[slot[E_DTYPE] - 1] if slot[E_DTYPE] else None for slot in slots],
-        numels=[slot[E_NUMEL] for slot in slots],
-        items=[slot[E_ITEMS] for slot in slots],
-        shapes=shapes,
-        empty_shape=empty_shape,
-        offsets=[],
-        table_bytes=[_align(slot[E_ITEMS] * (1 + MAX_NDIM) * 8) if kind == KIND_LIST else 0 for slot in slots],
-        refs=refs,
-    )

@@ -1,28 +1,34 @@
-"""Coalesced sync of metric states: every state of every metric in one metadata and one data exchange.
+"""Coalesced sync of metric states: every state of every metric in one run of the engine.
 
-Used by :class:`torchmetrics_varlen.Metric` (one metric) and :class:`torchmetrics_varlen.MetricCollection` (all
-members at once). The reductions reproduce what stock ``torchmetrics.Metric._sync_dist`` does with the gathered
-states, except that uneven shapes and empty ranks work: a rank without data contributes nothing, a ``cat`` list
-that is empty on every rank stays ``[]`` as on one process, and a ``cat`` list stays a list after the sync (one tensor
-per rank, views of the received buffer) instead of being concatenated: ``dim_zero_cat`` in ``compute()`` joins it
-exactly as it joins a local list, so the sync moves the data once and copies it nowhere.
+Used by :class:`torchmetrics_varlen.Metric` (one metric), :class:`torchmetrics_varlen.MetricCollection` (all members
+at once) and :func:`torchmetrics_varlen.compute_on_rank`. The reductions give what stock
+``torchmetrics.Metric._sync_dist`` gives with the gathered states, with the same types (a ``cat`` list state comes
+back as one concatenated tensor), except that uneven shapes and empty ranks work: a rank without data contributes
+nothing, and a ``cat`` list that is empty on every rank stays ``[]`` as on one process. Dense states with a sum, max,
+min or mean reduction may travel by all-reduce (see ``_protocol.make_plan``): integers bit-identical, floats summed
+in the backend's order.
 """
 
+import functools
+import warnings
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
-from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _protocol, _transport
-from torchmetrics_varlen._buffers import StackedRanks
+from torchmetrics_varlen import _engine, _protocol
+from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._protocol import Entry, LocalEntry, Plan, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
-from torchmetrics_varlen.gather import exchange_entries
 
 StateDict = dict[str, Any]
+_OPS: dict[Any, int] = {dim_zero_sum: _protocol.OP_SUM, dim_zero_max: _protocol.OP_MAX, dim_zero_min: _protocol.OP_MIN}
+_OPS[dim_zero_mean] = _protocol.OP_MEAN
 
 
 def state_names(metric: StockMetric) -> list[str]:
@@ -43,10 +49,38 @@ def layout_text(metrics: Sequence[StockMetric], phase: str) -> str:
     return "|".join(parts)
 
 
-def _entry(value: Any) -> Entry:
-    if isinstance(value, Tensor):
-        return value
-    return list(value)
+@dataclass
+class Layout:
+    """What a sync of some metrics sends, and how each entry is reduced afterwards."""
+
+    keys: list[tuple[int, str]]  # (metric index, state name) per entry
+    entries: list[LocalEntry]
+    context: int
+    reductions: list[Any]
+    ops: list[int]
+    cat: list[bool]
+    aux: list[int]  # the owning metric's update count, for `mean` states (see `_warn_mean_of_means`)
+    graph: bool  # a local tensor state carries an autograd graph
+
+
+def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
+    """The layout of a sync of ``metrics``; ``values`` replaces their current states (one dict per metric)."""
+    keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
+    states = [values[index][name] if values else getattr(metrics[index], name) for index, name in keys]
+    reductions = [metrics[index]._reductions[name] for index, name in keys]
+    ops = [_OPS.get(fn, _protocol.OP_NONE) for fn in reductions]
+    aux = [metrics[i]._update_count if op == _protocol.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
+    graph = any(isinstance(value, Tensor) and value.requires_grad for value in states)
+    return Layout(
+        keys=keys,
+        entries=entries_sharing_objects(states),
+        context=_protocol.context_hash(layout_text(metrics, phase)),
+        reductions=reductions,
+        ops=ops,
+        cat=[fn is dim_zero_cat for fn in reductions],
+        aux=aux,
+        graph=graph,
+    )
 
 
 def sync_states(
@@ -58,72 +92,64 @@ def sync_states(
     timeout: float | None,
     cached: bool = False,
     values: Sequence[StateDict] | None = None,
+    differentiable: bool = False,
+    dst: int | None = None,
 ) -> list[StateDict] | None:
-    """Gather and reduce the states of ``metrics`` across ``group`` in two collectives.
+    """Gather and reduce the states of ``metrics`` across ``group``.
 
     Returns one dict of reduced (global) states per metric, or None when every rank reported ``cached`` (then only
-    the metadata was exchanged). The local slot keeps this rank's own tensors, so their autograd graph survives.
-    ``values`` replaces the metrics' current states (one dict per metric), for example by their defaults.
+    the metadata was exchanged). With ``dst``, only rank ``dst`` gets the states; the others get ``[]``. The local
+    slot keeps this rank's own tensors, so their rank-local autograd graph survives; with ``differentiable`` the
+    sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's states carry a graph).
     """
-    world = _transport.world_of(group)
-    assert world is not None
-    rank, _ = world
-    keys, entries, context, join = sync_layout(metrics, phase, values)
-    plan, gathered = exchange_entries(
-        entries, group, context=context, label=label, timeout=timeout, synced=cached, join=join
+    layout = sync_layout(metrics, phase, values)
+    flags = (_protocol.FLAG_SYNCED if cached else 0) | (_protocol.FLAG_GRAD if layout.graph else 0)
+    flags |= _protocol.FLAG_DIFF if differentiable else 0
+    synced = _engine.run(
+        layout.entries,
+        group,
+        context=layout.context,
+        label=label,
+        timeout=timeout,
+        flags=flags,
+        aux=layout.aux,
+        ops=layout.ops,
+        cat=layout.cat,
+        dst=dst,
+        grad="always" if phase == "step" else "if_graph",
     )
-    assert plan is not None  # no `stop` given
-    if plan.all_synced:
+    assert synced is not None  # no `stop` given
+    if synced.plan.all_synced:
         return None
-    reductions = [(metrics[index]._reductions[name], f"{type(metrics[index]).__name__}.{name}") for index, name in keys]
-    reduced = reduce_gathered(reductions, entries, plan, gathered, rank)
+    _warn_mean_of_means(metrics, layout, synced.plan)
+    if dst is not None and synced.rank != dst:
+        return []
+    names = [f"{type(metrics[index]).__name__}.{name}" for index, name in layout.keys]
+    reduced = reduce_results(layout, synced, names)
     out: list[StateDict] = [{} for _ in metrics]
-    for (index, name), value in zip(keys, reduced):
+    for (index, name), value in zip(layout.keys, reduced):
         out[index][name] = value
     return out
 
 
-def sync_layout(
-    metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None
-) -> tuple[list[tuple[int, str]], list[LocalEntry], int, list[bool]]:
-    """What a sync of ``metrics`` sends: (metric index, state name) keys, entries, context hash, ``cat`` flags."""
-    keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
-    states = [values[index][name] if values else getattr(metrics[index], name) for index, name in keys]
-    context = _protocol.context_hash(layout_text(metrics, phase))
-    join = [metrics[index]._reductions[name] is dim_zero_cat for index, name in keys]
-    return keys, entries_sharing_objects(states), context, join
+def reduce_results(layout: Layout, synced: "_engine.Synced", names: Sequence[str]) -> list[Any]:
+    """Reduce every entry's result with its reduction, as stock does with the gathered states.
 
-
-def reduce_gathered(
-    reductions: Sequence[tuple[Any, str]],
-    entries: Sequence[LocalEntry],
-    plan: Plan,
-    gathered: list[list[Entry]],
-    rank: int,
-) -> list[Any]:
-    """Reduce every gathered entry with its ``(reduction, name)``; ``gathered`` is emptied as it goes (memory).
-
-    The local slot gets this rank's own objects back where they carry an autograd graph (or are lists), and a state
-    shared by a compute group on every rank is reduced once.
+    ``synced.results`` is emptied as it goes (memory). Outside a differentiable sync, the local slot gets this rank's
+    own objects back where they carry an autograd graph, as stock does.
     """
+    plan, rank, results = synced.plan, synced.rank, synced.results
+    keep_graph = not plan.differentiable
     reduced: list[Any] = []
-    for position, ((reduction, where), local) in enumerate(zip(reductions, entries)):
-        per_rank = gathered[position]
-        gathered[position] = []
-        if plan.entries[position].dense and not (isinstance(local, Tensor) and local.requires_grad):
-            # The common case, kept short (a hundred states per sync): equal shapes on every rank, no shared object,
-            # no graph of ours to put back, so the stacked ranks go to the reduction as they are.
-            reduced.append(reduce_state(per_rank, reduction, where))
+    for position, (reduction, op, local) in enumerate(zip(layout.reductions, layout.ops, layout.entries)):
+        result, results[position] = results[position], None
+        if result is None:  # the same object as an earlier entry on every rank (a compute group): reduced once
+            assert isinstance(local, Ref)
+            reduced.append(reduced[local.index])
             continue
-        refs = set(plan.entries[position].refs)
-        if len(refs) == 1 and min(refs) >= 0:
-            reduced.append(reduced[min(refs)])
-        else:
-            keep_graph = (isinstance(local, Tensor) and local.requires_grad) or isinstance(local, list)
-            if keep_graph or (isinstance(local, Tensor) and local.numel() > 0 and not plan.entries[position].dense):
-                per_rank = list(per_rank)
-                per_rank[rank] = local  # type: ignore[assignment]  # this rank's own objects keep their graph
-            reduced.append(reduce_state(per_rank, reduction, where))
+        own = local if keep_graph and not isinstance(local, Ref) else None
+        dtype = plan.entries[position].dtype
+        reduced.append(reduce_state(result, reduction, op, own, rank, plan, names[position], dtype))
     return reduced
 
 
@@ -133,21 +159,50 @@ def entries_sharing_objects(values: list[Any]) -> list[LocalEntry]:
     entries: list[LocalEntry] = []
     for position, value in enumerate(values):
         first = seen.setdefault(id(value), position)
-        entries.append(Ref(first) if first != position else _entry(value))
+        entries.append(Ref(first) if first != position else (value if isinstance(value, Tensor) else list(value)))
     return entries
 
 
-def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
+@functools.lru_cache(maxsize=256)
+def _result_dtype(reduction: Any, dtype: torch.dtype) -> torch.dtype:
+    """The dtype stock's ``reduction`` gives for stacked states of ``dtype`` (``torch.sum`` widens integers)."""
+    return reduction(torch.empty(2, 1, dtype=dtype, device="meta")).dtype  # type: ignore[no-any-return]
+
+
+def reduce_state(
+    result: Result,
+    reduction: Any,
+    op: int,
+    own: LocalEntry | None,
+    rank: int,
+    plan: Plan,
+    where: str,
+    dtype: torch.dtype | None = None,
+) -> Any:
     """Combine one state's per-rank values the way torchmetrics does after its gather."""
-    if isinstance(per_rank, StackedRanks) and reduction is not dim_zero_cat:  # checked first: it never unbinds
-        return reduction(per_rank.stacked) if reduction is not None else per_rank.stacked
+    if isinstance(result, Reduced):
+        assert dtype is not None  # a dense entry has one
+        value = result.tensor / plan.world_size if op == _protocol.OP_MEAN else result.tensor
+        return value.to(_result_dtype(reduction, dtype))
+    if isinstance(result, Joined):
+        return result.tensor if result.tensor is not None else []
+    if isinstance(result, Stacked):
+        stacked = result.tensor
+        if isinstance(own, Tensor) and own.requires_grad:
+            stacked = torch.cat([stacked[:rank], own.unsqueeze(0), stacked[rank + 1 :]])  # keep this rank's graph
+        if reduction is dim_zero_cat:
+            return stacked.reshape(-1, *stacked.shape[2:]) if stacked.ndim > 1 else stacked.clone()
+        return reduction(stacked) if reduction is not None else stacked.clone()
+    per_rank: list[Entry] = list(result)
     if isinstance(per_rank[0], list):
         flat = [item for items in per_rank for item in items]  # type: ignore[union-attr]
-        if not flat or reduction is dim_zero_cat:
-            # A `cat` list stays a list (one tensor per rank, views of the received buffer): `dim_zero_cat` in
-            # compute() joins it, so the sync itself copies nothing.
-            return flat
+        if not flat:
+            return []
+        if reduction is dim_zero_cat:
+            return dim_zero_cat(flat)
         return reduction(flat) if reduction is not None else flat
+    if isinstance(own, Tensor) and (own.requires_grad or own.numel() > 0):
+        per_rank[rank] = own  # this rank's own object keeps its graph
     tensors: list[Tensor] = [t for t in per_rank if isinstance(t, Tensor)]
     if reduction is dim_zero_cat:
         # Uneven `cat` tensor states: concatenate what each rank holds (stock stacks, which needs equal shapes).
@@ -161,3 +216,32 @@ def reduce_state(per_rank: list[Entry], reduction: Any, where: str) -> Any:
         )
     stacked = torch.stack(tensors)
     return reduction(stacked) if reduction is not None else stacked
+
+
+_MEAN_WARNED: "weakref.WeakKeyDictionary[StockMetric, set[str]]" = weakref.WeakKeyDictionary()
+
+
+def _warn_mean_of_means(metrics: Sequence[StockMetric], layout: Layout, plan: Plan) -> None:
+    """Warn once per metric and state when a `mean` state averages ranks that saw different numbers of updates.
+
+    Decided from the update counts every record carries (no extra collective), so every rank warns alike.
+    """
+    for position, ((index, name), op) in enumerate(zip(layout.keys, layout.ops)):
+        if op != _protocol.OP_MEAN:
+            continue
+        counts = plan.aux[:, position]
+        if bool((counts == counts[0]).all()):
+            continue
+        metric = metrics[index]
+        warned = _MEAN_WARNED.setdefault(metric, set())
+        if name in warned:
+            continue
+        warned.add(name)
+        warnings.warn(
+            f"State `{name}` of {type(metric).__name__} has dist_reduce_fx='mean': the synced value is the mean of"
+            f" the ranks' values, each rank weighted equally, but the ranks ran different numbers of updates"
+            f" ({counts.tolist()}), so it is not the value one process would compute on all the data. Keep a sum"
+            " state and a count state (dist_reduce_fx='sum') and divide in compute().",
+            UserWarning,
+            stacklevel=4,
+        )

@@ -1,35 +1,35 @@
-"""The module that runs the sync's collectives: world queries, the two exchanges, the backend choice, timeouts.
+"""The collectives of a sync: metadata exchange, padded gather, all-reduce, gather to one rank, broadcast.
 
-What runs where:
+Each is started asynchronously and waited for through :func:`torchmetrics_varlen._policy.wait_for` (polling, never a
+timed ``wait``), so every collective of the package has the same timeout behaviour on every backend:
 
-* gloo (CPU): tested here. Buffers live on the CPU; each exchange is one ``all_gather_single``
-  (``all_gather_into_tensor`` before torch 2.13) of equal-size buffers, the smaller ones padded up to the largest.
-* NCCL (CUDA): not runnable on the machines this package is tested on. Buffers live on the current CUDA device (CPU
-  states, for example with ``compute_on_cpu=True``, are moved there for the transfer and back afterwards), and the data
-  exchange uses NCCL's list ``all_gather``, which accepts unequal sizes, so nothing is padded.
-* any other backend: buffers stay on the device of the first tensor, the exchange is the padded equal-size gather.
-
-A metadata exchange with a sync timeout waits asynchronously; a rank still waiting after a short slice notes where it
-waits in the process group's store, so that the ranks whose timeout expires can name the ranks that never arrived
-(gloo and NCCL alike: every process group has a store). Quick exchanges pay nothing for this.
+* a rank late by less than the sync timeout never causes an error;
+* a rank that never arrives makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncTimeoutError` naming it
+  (where the store can tell), and the collective stays pending (nothing aborts the process group);
+* a peer that crashed or closed its connection makes them raise :class:`~torchmetrics_varlen.SyncPeerError` with the
+  backend's error.
 
 Collectives are looked up on ``torch.distributed`` at call time, so tests can count them by wrapping those functions.
 """
 
-import datetime
 import os
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen.errors import SyncTimeoutError
+from torchmetrics_varlen import _protocol
+from torchmetrics_varlen._policy import PeerFailedError, wait_for
+from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
 
 TIMEOUT_ENV = "TORCHMETRICS_VARLEN_SYNC_TIMEOUT"
 DEFAULT_SYNC_TIMEOUT = 300.0
+NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits (see "who is waiting where" below)
 
 
 def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
@@ -42,22 +42,8 @@ def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
     return dist.get_rank(group), world_size
 
 
-def _backend(group: ProcessGroup | None) -> str:
-    return str(dist.get_backend(group)).lower()
-
-
-def transport_device(group: ProcessGroup | None, like: torch.device) -> torch.device:
-    """The device the exchange buffers live on: the one place that knows which backend wants which device."""
-    backend = _backend(group)
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if backend == "gloo":
-        return torch.device("cpu")
-    return like
-
-
 def default_timeout() -> float | None:
-    """Sync timeout in seconds: ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` if set (0: only the group's own), else 300."""
+    """Sync timeout in seconds: ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` if set (0: no timeout of ours), else 300."""
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
         return DEFAULT_SYNC_TIMEOUT
@@ -68,65 +54,140 @@ def default_timeout() -> float | None:
     return value if value > 0 else None
 
 
-def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None, async_op: bool = False) -> Any:
+def _finish(work: Any, group: ProcessGroup | None, timeout: float | None, what: str, note: str | None = None) -> None:
+    """Wait for ``work``; raise SyncTimeoutError / SyncPeerError naming what and who."""
+    noted: list[Any] = []  # the store, once this rank noted where it waits (a quick sync never touches it)
+
+    def write_note() -> None:
+        noted.append(_store())
+        _set_note(noted[0], note)
+
+    try:
+        done = wait_for(work, timeout, write_note if note is not None else None, NOTE_AFTER)
+    except PeerFailedError as err:
+        raise SyncPeerError(_peer_message(what, group, str(err))) from err.__cause__
+    if done and noted:
+        _set_note(noted[0], "")  # arrived: an old note must not describe this rank at a later timeout
+    if not done:  # the note stays: peers timing out at their own syncs read where this rank waits
+        assert timeout is not None
+        missing = _describe_missing(noted[0] if noted else _store(), group, note) if note is not None else ""
+        raise SyncTimeoutError(_timeout_message(what, timeout, group, missing))
+
+
+def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> Any:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, local, group=group, async_op=async_op)
+    return gather(output, local, group=group, async_op=True)
 
 
-def exchange_metadata(
+# ------------------------------------------------------------------------------------------------- metadata
+# Records are as long as the sync needs, but a collective needs one size on every rank, whatever each rank syncs.
+# So each group has an agreed record length, equal on all its ranks because each rank derives it from the tables
+# that all ranks saw: records are sent at that length (room for 32 entries at first, 1.6 KB); when a header (always
+# within it) says that some rank needs more, every rank exchanges again at the longest length, and the group keeps
+# that length from then on. It only grows: a job that alternates a large sync (a collection) with small ones (a
+# per-step metric) pays the second exchange once, not at every large sync.
+INITIAL_WORDS = _protocol.record_words(32)
+MAX_WORDS = _protocol.record_words(1 << 16)  # a larger "need" is not a record of ours: make_plan names the ranks
+_AGREED_WORDS: dict[str, int] = {}
+_SYNC_NUMBERS: dict[str, int] = {}
+_LOCK = threading.Lock()  # the Join worker thread syncs on its own group while the main thread syncs on others
+
+
+def exchange_records(
     record: list[int], group: ProcessGroup | None, device: torch.device, timeout: float | None, what: str
 ) -> Tensor:
-    """Collective 1: every rank's fixed-size record, as a ``[world_size, len(record)]`` int64 tensor on ``device``.
-
-    With a ``timeout``, a rank that is still waiting after a short first slice notes in the store where it waits, so
-    that a rank whose timeout expires can name the ranks that never arrived (see :func:`_describe_missing`). A quick
-    exchange touches no store.
-    """
-    world_size = dist.get_world_size(group)
-    local = torch.tensor(record, dtype=torch.int64, device=device)
-    table = torch.empty(world_size * len(record), dtype=torch.int64, device=device)
+    """Collective 1 (rarely 2): every rank's record, as a ``[world_size, words]`` int64 CPU tensor."""
     tag = _group_tag(group)
-    number = _SYNC_NUMBERS[tag] = _SYNC_NUMBERS.get(tag, 0) + 1
-    if timeout is None:
-        _gather_equal(table, local, group)
+    with _LOCK:
+        words = _AGREED_WORDS.get(tag, INITIAL_WORDS)
+        number = _SYNC_NUMBERS[tag] = _SYNC_NUMBERS.get(tag, 0) + 1
+    note = f"{tag}|{number}|{what}"
+    table = _exchange_at(record, words, group, device, timeout, what, note)
+    ours = bool((table[:, _protocol.H_MAGIC] == _protocol.MAGIC).all())  # else make_plan raises, naming the ranks
+    needed = _protocol.record_words(int(table[:, _protocol.H_N].max())) if ours else words
+    if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
+        table = _exchange_at(record, needed, group, device, timeout, what, note)
+    with _LOCK:
+        _AGREED_WORDS[tag] = max(min(needed, MAX_WORDS), words)
+    return table[:, : max(min(needed, table.shape[1]), _protocol.HEADER_LEN)]
+
+
+def _exchange_at(
+    record: list[int], words: int, group: Any, device: torch.device, timeout: float | None, what: str, note: str
+) -> Tensor:
+    padded = record[:words] + [0] * (words - len(record))
+    local = torch.tensor(padded, dtype=torch.int64, device=device)
+    world_size = dist.get_world_size(group)
+    table = torch.empty(world_size * words, dtype=torch.int64, device=device)
+    _finish(_gather_equal(table, local, group), group, timeout, what, note)
+    return table.view(world_size, words).cpu()
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def gather_rows(buffer: Tensor, group: ProcessGroup | None, timeout: float | None, what: str) -> Tensor:
+    """Every rank's ``uint8`` buffer (equal sizes) as a ``[world_size, bytes]`` tensor."""
+    world_size = dist.get_world_size(group)
+    output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+    _finish(_gather_equal(output, buffer, group), group, timeout, what)
+    return output.view(world_size, buffer.numel())
+
+
+_OPS = {_protocol.OP_SUM: "SUM", _protocol.OP_MAX: "MAX", _protocol.OP_MIN: "MIN"}
+
+
+def all_reduce(buffers: list[tuple[Tensor, int]], group: ProcessGroup | None, timeout: float | None, what: str) -> None:
+    """All-reduce each ``(buffer, op)`` in place: all started at once, then waited for."""
+    works = [
+        dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
+        for buffer, op in buffers
+    ]
+    for work in works:
+        _finish(work, group, timeout, what)
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def gather_to_rank(buffer: Tensor, dst: int, group: Any, timeout: float | None, what: str) -> Tensor | None:
+    """Every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only: ``[world_size, bytes]`` there."""
+    rank = dist.get_rank(group)
+    output = rows = None
+    if rank == dst:
+        output = torch.empty(dist.get_world_size(group), buffer.numel(), dtype=torch.uint8, device=buffer.device)
+        rows = list(output.unbind(0))
+    _finish(dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True), group, timeout, what)
+    return output
+
+
+def broadcast_bytes(data: bytes | None, src: int, group: Any, device: torch.device, timeout: float | None) -> bytes:
+    """The bytes ``data`` of rank ``src`` to every rank of ``group`` (a size, then the bytes: two broadcasts)."""
+    rank = dist.get_rank(group)
+    what = f"broadcast of the result from rank {src}"
+    size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
+    _finish(dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, timeout, what)
+    if rank == src:
+        assert data is not None
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
-        work = _gather_equal(table, local, group, async_op=True)
-        first = min(NOTE_AFTER, timeout / 2)  # the note is always written before the timeout expires
-        if not _wait(work, first):
-            store = _store()
-            note = f"{tag}|{number}|{what}"
-            _set_note(store, note)
-            if not _wait(work, timeout - first):
-                raise SyncTimeoutError(_timeout_message(what, timeout, group, _describe_missing(store, group, note)))
-            _set_note(store, "")  # arrived: an old note must not describe this rank at a later timeout
-    return table.view(world_size, len(record))
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _finish(dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True), group, timeout, what)
+    return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
 
 
-def _wait(work: Any, seconds: float) -> bool:
-    """Wait for ``work``; False if it is still pending after ``seconds``. Other failures propagate."""
-    try:
-        # At least 1 ms: a zero timeout means "the process group's own timeout" to c10d.
-        work.wait(timeout=datetime.timedelta(seconds=max(seconds, 0.001)))
-    except RuntimeError as err:
-        if "timed out" in str(err).lower() or "timeout" in str(err).lower():
-            return False
-        raise
-    return True
+def run_collective(start: Callable[[], Any], group: Any, timeout: float | None, what: str) -> None:
+    """Start a collective (``start`` returns its work object) and wait for it as every collective here is waited."""
+    _finish(start(), group, timeout, what)
 
 
 # ------------------------------------------------------------------------------ who is waiting where (timeouts)
 # A rank that has waited ``NOTE_AFTER`` seconds at a metadata exchange writes one key to the store every process group
-# has (the rendezvous store): "<group>|<sync number>|<what>", cleared again when the exchange completes. Syncs are
-# numbered per process group on each rank, so ranks that run the same syncs agree on the numbers. When a timeout
-# expires, the waiting rank reads every peer's key: the same group and number means "arrived"; another note means
-# "waits at another sync"; no note means the peer is not waiting at any sync of this package (it never got here).
-# The store is reached through a private function of torch.distributed (covered by a test); without it, the error
-# names no ranks. Nothing of this runs on a sync that completes within the first slice.
-
-NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits
-# Keyed by group name, not by group: a module-level reference would keep every process group alive until interpreter
-# exit, past destroy_process_group(), and a gloo group destroyed during interpreter shutdown can abort the process.
-_SYNC_NUMBERS: dict[str, int] = {}
+# has (the rendezvous store): "<group>|<sync number>|<what>", cleared again when the exchange ends. Syncs are numbered
+# per process group on each rank, so ranks that run the same syncs agree on the numbers. When a timeout expires, the
+# waiting rank reads every peer's key: the same group and number means "arrived"; another note means "waits at
+# another sync"; no note means the peer is not waiting at any sync of this package (it never got here, or its
+# compute() returned a cached value). The store is reached through a private function of torch.distributed (covered
+# by a test); without it, the error names no ranks. Nothing of this runs on a sync that completes within NOTE_AFTER.
 
 
 def _store() -> Any:
@@ -147,8 +208,8 @@ def _group_tag(group: ProcessGroup | None) -> str:
     return str(name) if name else ",".join(map(str, dist.get_process_group_ranks(pg)))
 
 
-def _set_note(store: Any, note: str) -> None:
-    if store is None:
+def _set_note(store: Any, note: str | None) -> None:
+    if store is None or note is None:
         return
     try:
         store.set(_note_key(dist.get_rank()), note)
@@ -156,20 +217,26 @@ def _set_note(store: Any, note: str) -> None:
         pass
 
 
+def _peers(group: ProcessGroup | None) -> list[tuple[str, int]]:
+    """``(name, global rank)`` of every other rank of ``group``."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    me = dist.get_rank()
+    return [
+        (str(local) if local == glob else f"{local} (global rank {glob})", glob)
+        for local, glob in enumerate(ranks)
+        if glob != me
+    ]
+
+
 def _describe_missing(store: Any, group: ProcessGroup | None, note: str) -> str:
     """Where the other ranks of ``group`` are, from their notes; empty when the store cannot be read."""
     if store is None:
         return ""
     tag, number, _ = note.split("|", 2)
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    me = dist.get_rank()
     missing: list[str] = []
     elsewhere: list[str] = []
     try:
-        for group_rank, global_rank in enumerate(ranks):
-            if global_rank == me:
-                continue
-            name = str(group_rank) if group_rank == global_rank else f"{group_rank} (global rank {global_rank})"
+        for name, global_rank in _peers(group):
             key = _note_key(global_rank)
             seen = store.get(key).decode(errors="replace") if store.check([key]) else ""
             if not seen:
@@ -190,25 +257,25 @@ def _describe_missing(store: Any, group: ProcessGroup | None, note: str) -> str:
     return " ".join(parts)
 
 
-def exchange_payload(buffer: Tensor, nbytes: list[int], group: ProcessGroup | None) -> list[Tensor]:
-    """Collective 2: every rank's ``uint8`` buffer; element i holds at least rank i's ``nbytes[i]`` bytes."""
-    world_size = len(nbytes)
-    if "nccl" in _backend(group):
-        rows = [torch.empty(size, dtype=torch.uint8, device=buffer.device) for size in nbytes]
-        dist.all_gather(rows, buffer[: nbytes[dist.get_rank(group)]], group=group)
-        return rows
-    output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
-    _gather_equal(output, buffer, group)
-    return list(output.view(world_size, buffer.numel()).unbind(0))
-
-
 def _timeout_message(what: str, timeout: float, group: ProcessGroup | None, missing: str = "") -> str:
     rank = dist.get_rank(group)
     return (
         f"{what}: rank {rank} waited {timeout:g} s for the other ranks to arrive at this sync; at least one never did."
         + (f" {missing}" if missing else "")
-        + " Usual causes: ranks that run different numbers of steps (uneven data without"
-        " `torch.distributed.algorithms.join.Join`), or `compute()` / `self.log(...)` called on rank 0 only (for"
-        " example inside `if trainer.is_global_zero:`): every rank must run the same syncs in the same order."
-        " The process group now has a pending collective and should not be used for anything else."
+        + " Usual causes: ranks that run different numbers of steps (uneven data outside a `Join`: see"
+        " `torchmetrics_varlen.join`),"
+        " `compute()` / `self.log(...)` called on rank 0 only (for example inside `if trainer.is_global_zero:`), or"
+        " `compute()` called again after an `update()` on this rank only (the other ranks returned their cached"
+        " value without syncing): every rank must run the same syncs in the same order. The process group now has a"
+        " pending collective and should not be used for anything else."
+    )
+
+
+def _peer_message(what: str, group: ProcessGroup | None, error: str) -> str:
+    rank = dist.get_rank(group)
+    first = error.strip().splitlines()[0] if error.strip() else "no message"
+    return (
+        f"{what}: rank {rank} lost a peer during the sync: another rank of the group crashed or closed its connection"
+        f" (the backend said: {first}). Check the logs of the other ranks for the original error; this process group"
+        " cannot be used any more."
     )

@@ -22,13 +22,17 @@ Case = dict[str, Any]
 
 
 def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, int]]:
-    """Median wall time in ms of each of ``fns``, and the collectives one call issues (the most seen in any call).
+    """Median wall time in ms of each of ``fns`` after one warm-up call, and the collectives one call issues (the most
+    seen in any measured call).
 
     The functions take turns (stock, ours, floor, stock, ...), so that a change in the load of this shared machine
     during the run falls on every side alike and the ratios stay comparable.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     counts = dict.fromkeys(fns, 0)
+    for fn in fns.values():  # warm-up, not measured: a group's first large sync takes one more metadata exchange
+        dist.barrier()
+        fn()
     for _ in range(repeats):
         for name, fn in fns.items():
             dist.barrier()  # start every rank together so the timing is the sync, not the stragglers

@@ -4,7 +4,7 @@ Both errors subclass :class:`RuntimeError`, so code that already catches the err
 working. Both are raised on every rank that takes part in the failing sync, never on one rank alone.
 """
 
-__all__ = ["SyncMismatchError", "SyncTimeoutError"]
+__all__ = ["SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
 
 
 class SyncMismatchError(RuntimeError):
@@ -33,5 +33,19 @@ class SyncTimeoutError(RuntimeError):
     Example:
         >>> from torchmetrics_varlen import SyncTimeoutError
         >>> issubclass(SyncTimeoutError, RuntimeError)
+        True
+    """
+
+
+class SyncPeerError(RuntimeError):
+    """Another rank crashed or closed its connection while this rank was in a sync.
+
+    Raised on the ranks that are still alive, with the backend's own error as the cause (``__cause__``), instead of
+    reporting the dead rank as merely late. The metric's local states are left as they were before the sync. The
+    process group cannot be used afterwards: end the job (an elastic launcher may restart it).
+
+    Example:
+        >>> from torchmetrics_varlen import SyncPeerError
+        >>> issubclass(SyncPeerError, RuntimeError)
         True
     """

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from torchmetrics_varlen import _protocol, _transport
+from torchmetrics_varlen import _policy, _protocol
 
 if TYPE_CHECKING:
     from torchmetrics_varlen.metric import Metric
@@ -130,26 +130,37 @@ def _check_order_and_run_hook_first(join: Join, hook: MetricJoinHook, is_first_j
 
 def _shadow_once(metric: "Metric") -> bool:
     """One per-step sync as a rank with an empty batch; False when the terminate record arrived instead."""
+    from torchmetrics_varlen import _engine
     from torchmetrics_varlen._state_sync import sync_layout
-    from torchmetrics_varlen.gather import exchange_entries
 
     empty: dict[str, Any] = {name: [] if isinstance(value, list) else value for name, value in metric._defaults.items()}
-    _, entries, context, join = sync_layout([metric], "step", [empty])
-    plan, _ = exchange_entries(
-        entries,
+    layout = sync_layout([metric], "step", [empty])
+    synced = _engine.run(
+        layout.entries,
         metric._join_group,
-        context=context,
+        context=layout.context,
         label=f"{type(metric).__name__}.step",
-        join=join,
-        stop=lambda table: any(row[_protocol.H_CONTEXT] == _TERMINATE for row in table),
+        timeout=metric.sync_timeout,
+        aux=layout.aux,
+        ops=layout.ops,
+        cat=layout.cat,
+        stop=lambda table: bool((table[:, _protocol.H_CONTEXT] == _TERMINATE).any()),
+        grad="always",
     )
-    return plan is not None
+    return synced is not None
 
 
 def _exchange_terminate(metric: "Metric") -> None:
-    from torchmetrics_varlen.gather import exchange_entries
+    from torchmetrics_varlen import _engine
 
-    exchange_entries([], metric._join_group, context=_TERMINATE, label="Join.terminate", stop=lambda table: True)
+    _engine.run(
+        [],
+        metric._join_group,
+        context=_TERMINATE,
+        label="Join.terminate",
+        timeout=metric.sync_timeout,
+        stop=lambda table: True,
+    )
 
 
 class JoinableMetric(Joinable):
@@ -233,7 +244,7 @@ class JoinableMetric(Joinable):
     @property
     def join_device(self) -> torch.device:
         """Device of the tensors ``Join`` all-reduces to count the ranks that have not joined."""
-        return _transport.transport_device(self.process_group, self.device)
+        return _policy.policy_for(self.process_group, self.device).device
 
     @property
     def join_process_group(self) -> Any:

@@ -110,9 +110,7 @@ class Metric(StockMetric, JoinableMetric):
         return "compute" if self._should_unsync else "step"
 
     def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
-        if not is_coalescing_sync_fn(dist_sync_fn) or (self.sync_grads and torch.is_grad_enabled()):
-            if self.sync_grads and is_coalescing_sync_fn(dist_sync_fn):
-                dist_sync_fn = functools.partial(gather_all_tensors, sync_grads=True)
+        if not is_coalescing_sync_fn(dist_sync_fn):
             super()._sync_dist(dist_sync_fn, process_group=process_group)
             return
         self._apply_synced(self._exchange(process_group, cached=False))
@@ -123,7 +121,16 @@ class Metric(StockMetric, JoinableMetric):
         if phase == "step":
             group = self._step_sync_group(group)
         label = f"{type(self).__name__}.{phase}"
-        synced = sync_states([self], group, phase=phase, label=label, timeout=self.sync_timeout, cached=cached)
+        differentiable = self.sync_grads and torch.is_grad_enabled()
+        synced = sync_states(
+            [self],
+            group,
+            phase=phase,
+            label=label,
+            timeout=self.sync_timeout,
+            cached=cached,
+            differentiable=differentiable,
+        )
         return None if synced is None else synced[0]
 
     def _apply_synced(self, states: StateDict | None) -> None:
@@ -212,7 +219,7 @@ class Metric(StockMetric, JoinableMetric):
                 return value
             # Every rank takes part in the metadata exchange, cached or not, and all agree on whether to skip.
             cached = self._computed is not None and self.compute_with_cache
-            if is_coalescing_sync_fn(self.dist_sync_fn) and not (self.sync_grads and torch.is_grad_enabled()):
+            if is_coalescing_sync_fn(self.dist_sync_fn):
                 local = local_state_copy(self)
                 synced = self._exchange(None, cached=cached)
                 if synced is None:

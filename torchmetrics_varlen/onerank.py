@@ -3,37 +3,29 @@
 The protocol is the one of every other sync (see :mod:`torchmetrics_varlen._protocol`), with the data exchange
 replaced by a gather to the destination rank:
 
-1. every rank describes its states and the fixed-size records are all-gathered (``_transport.exchange_metadata``), so
-   every rank reaches the same plan, raises the same errors, and skips the data exchange together when every rank's
-   result is cached;
+1. every rank describes its states and the records are all-gathered, so every rank reaches the same plan, raises the
+   same errors, and skips the data exchange together when every rank's result is cached;
 2. every rank packs its states into one ``uint8`` buffer of the agreed transfer size, and ``torch.distributed.gather``
-   moves the buffers to the destination rank only (:func:`gather_to_rank`);
+   moves the buffers to the destination rank only (the engine's one-rank data step, :mod:`torchmetrics_varlen._engine`);
 3. the destination rank unpacks and reduces the states exactly as a normal sync does, computes, and sends the outcome
-   (the value, or the exception it raised) to every rank (:func:`broadcast_from_rank`).
+   (the value, or the exception it raised) to every rank (``_transport.broadcast_bytes``).
 
 The other ranks never hold more than their own states and one transfer buffer, so metrics whose states grow with the
 data set (AUROC, retrieval, ``cat`` states in general) can be computed on large evaluation sets without every rank
-holding the whole set. :func:`gather_to_rank` and :func:`broadcast_from_rank` are the only functions of this module
-that call ``torch.distributed`` collectives.
+holding the whole set. This module calls no collective itself.
 """
 
-import datetime
 import io
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
-from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import _buffers, _protocol, _transport
-from torchmetrics_varlen._protocol import LocalEntry, Plan
-from torchmetrics_varlen._state_sync import entries_sharing_objects, layout_text, reduce_gathered, state_names
-from torchmetrics_varlen.errors import SyncTimeoutError
-from torchmetrics_varlen.gather import entry_device, exchange_records, iter_tensors
+from torchmetrics_varlen import _engine, _policy, _protocol, _transport
+from torchmetrics_varlen._state_sync import Layout, reduce_results, sync_layout
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["compute_on_rank"]
@@ -115,28 +107,28 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     # dst is part of what is synced: ranks that disagree on it raise SyncMismatchError instead of pairing wrongly.
     phase = f"onerank{dst}." + ("compute" if metric._should_unsync else "step")
     label = f"{type(metric).__name__}.{phase}"
-    what = f"one-rank compute of {label}"
     timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _transport.default_timeout()
-    names = state_names(metric)
-    entries = entries_sharing_objects([getattr(metric, name) for name in names])
-    like = next((t.device for t in iter_tensors(entries)), torch.device("cpu"))
-    device = _transport.transport_device(group, like)
+    layout = sync_layout([metric], phase)
     cached = metric._computed is not None and metric.compute_with_cache
-    context = _protocol.context_hash(layout_text([metric], phase))
-    record = _protocol.describe(entries, context, label, cached)
-    table, digest = exchange_records(record, group, device, timeout, what)
-    plan = _protocol.make_plan(table, what, digest)  # raises on every rank alike
-    if plan.all_synced:
+    synced = _engine.run(
+        layout.entries,
+        group,
+        context=layout.context,
+        label=label,
+        timeout=timeout,
+        flags=_protocol.FLAG_SYNCED if cached else 0,
+        aux=layout.aux,
+        ops=layout.ops,
+        cat=layout.cat,
+        dst=dst,
+    )
+    assert synced is not None  # no `stop` given
+    if synced.plan.all_synced:
         return metric._computed
-    holder: list[list[Tensor] | None] = [[]]
-    if plan.max_bytes > 0:
-        buffer = _buffers.pack(entries, plan, rank, device)
-        holder[0] = gather_to_rank(buffer, dst, group, timeout, what)
-        del buffer
-    outcome: tuple[bool, Any] | None = None
-    if rank == dst:
-        outcome = _compute_here(metric, names, entries, plan, holder, rank, like)
-    ok, value = _share_outcome(outcome, dst, group, device, metric)
+    outcome = _compute_here(metric, layout, synced) if rank == dst else None
+    like = next((t.device for t in _engine.iter_tensors(layout.entries)), torch.device("cpu"))
+    device = _policy.policy_for(group, like).device
+    ok, value = _share_outcome(outcome, dst, group, device, metric, timeout)
     if not ok:
         raise value
     if metric.compute_with_cache:
@@ -144,22 +136,15 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     return value
 
 
-def _compute_here(
-    metric: StockMetric,
-    names: list[str],
-    entries: list[LocalEntry],
-    plan: Plan,
-    holder: list[list[Tensor] | None],
-    rank: int,
-    like: torch.device,
-) -> tuple[bool, Any]:
+def _compute_here(metric: StockMetric, layout: Layout, synced: "_engine.Synced") -> tuple[bool, Any]:
     """On the destination rank: reduce the gathered states and compute; any error becomes the outcome.
 
-    The gathered buffers come in ``holder`` and are dropped as soon as the states are reduced, so that the transfer
-    buffers are not alive while the metric computes.
+    The gathered buffers are dropped as the states are reduced, so that they are not alive while the metric computes.
     """
     try:
-        states = _reduce_gathered(metric, names, entries, plan, holder, rank, like)
+        names = [name for _, name in layout.keys]
+        labels = [f"{type(metric).__name__}.{name}" for name in names]
+        states = dict(zip(names, reduce_results(layout, synced, labels)))
         saved = {name: getattr(metric, name) for name in names}
         try:
             for name in names:
@@ -171,26 +156,6 @@ def _compute_here(
         return True, result
     except Exception as err:  # raised on every rank after the broadcast
         return False, err
-
-
-def _reduce_gathered(
-    metric: StockMetric,
-    names: list[str],
-    entries: list[LocalEntry],
-    plan: Plan,
-    holder: list[list[Tensor] | None],
-    rank: int,
-    like: torch.device,
-) -> dict[str, Any]:
-    """Unpack every rank's states and reduce them as a normal sync does (see ``_state_sync.sync_states``)."""
-    rows = holder[0] or []
-    holder[0] = None
-    devices = [entry_device(entry, like) for entry in entries]
-    join = [metric._reductions[name] is dim_zero_cat for name in names]
-    gathered = _buffers.unpack(rows, plan, devices, join)
-    del rows
-    reductions = [(metric._reductions[name], f"{type(metric).__name__}.{name}") for name in names]
-    return dict(zip(names, reduce_gathered(reductions, entries, plan, gathered, rank)))
 
 
 def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -243,11 +208,16 @@ def _loads(data: bytes) -> Any:
 
 
 def _share_outcome(
-    outcome: tuple[bool, Any] | None, dst: int, group: Any, device: torch.device, metric: StockMetric
+    outcome: tuple[bool, Any] | None,
+    dst: int,
+    group: Any,
+    device: torch.device,
+    metric: StockMetric,
+    timeout: float | None,
 ) -> tuple[bool, Any]:
     """Send the destination rank's outcome to every rank; the destination keeps its own objects."""
     data = _encode_outcome(outcome) if outcome is not None else None
-    received = broadcast_from_rank(data, dst, group, device)
+    received = _transport.broadcast_bytes(data, dst, group, device, timeout)
     if outcome is not None:
         return outcome
     ok, value = _loads(received)
@@ -255,49 +225,3 @@ def _share_outcome(
         target = metric.device
         value = _map_tensors(value, lambda t: t.to(target))
     return ok, value
-
-
-# ------------------------------------------------------------------------------------------------------ transport
-def _global_rank(group: Any, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def gather_to_rank(
-    buffer: Tensor, dst: int, group: Any, timeout: float | None, what: str = "one-rank compute"
-) -> list[Tensor] | None:
-    """Collective: every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only.
-
-    One ``torch.distributed.gather`` (supported by gloo and NCCL). Returns the buffers in rank order on ``dst``,
-    None on the other ranks. With a ``timeout`` in seconds, raises ``SyncTimeoutError`` when the ranks do not all
-    arrive in time.
-    """
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
-    rows: list[Tensor] | None = None
-    if rank == dst:
-        output = torch.empty(world_size, buffer.numel(), dtype=torch.uint8, device=buffer.device)
-        rows = list(output.unbind(0))
-    work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=timeout is not None)
-    if timeout is not None and work is not None:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-        except RuntimeError as err:
-            raise SyncTimeoutError(_transport._timeout_message(what, timeout, group)) from err
-    return rows
-
-
-def broadcast_from_rank(data: bytes | None, src: int, group: Any, device: torch.device) -> bytes:
-    """Collectives: the bytes ``data`` of rank ``src`` to every rank of ``group`` (a size, then the bytes).
-
-    Two ``torch.distributed.broadcast`` calls; ``data`` is ignored on the other ranks (pass None).
-    """
-    rank = dist.get_rank(group)
-    size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=_global_rank(group, src), group=group)
-    if rank == src:
-        assert data is not None
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    else:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(payload, src=_global_rank(group, src), group=group)
-    return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())

@@ -1,0 +1,291 @@
+"""The sync engine: describe, exchange metadata, plan, move the data, unpack. Every sync of the package runs here.
+
+The hook (:func:`~torchmetrics_varlen.gather_all_tensors`), :class:`~torchmetrics_varlen.Metric`, the collection,
+:func:`~torchmetrics_varlen.compute_on_rank`, ``sync_grads`` and the Join shadow all call :func:`run`. What differs
+between them is the data step:
+
+* **gather + reduce** (default): gathered entries travel in one padded ``all_gather_into_tensor``; dense states with
+  a sum, max, min or mean reduction that the plan routes to all-reduce travel in one ``all_reduce`` per (op, dtype)
+  bucket. Each rank then receives ``world_size x`` the gathered bytes but only ``1 x`` the reduced ones.
+* **to one rank** (``dst``): everything travels in one ``gather`` to rank ``dst``; the other ranks get nothing back.
+* **differentiable** (``grad``): the gather + reduce step inside one autograd function, whose backward runs one
+  ``all_reduce`` of every gradient (see :class:`_DifferentiableStep`).
+
+Collectives per sync: one metadata exchange (two when a rank's record outgrew the group's agreed record length),
+then at most one gather and one all-reduce per reduce bucket, all decided from the exchanged metadata.
+"""
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchmetrics_varlen import _buffers, _policy, _protocol, _transport
+from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
+from torchmetrics_varlen._protocol import LocalEntry, Plan, Ref
+
+
+@dataclass
+class Synced:
+    """What a sync gives back: the plan every rank agreed on, and one result per entry.
+
+    ``results`` is empty when every rank reported its result cached (nothing moved), and on the ranks other than
+    ``dst`` of a one-rank sync. An entry that is the same object as an earlier one on every rank has result None.
+    """
+
+    plan: Plan
+    results: list[Result | None]
+    rank: int
+
+
+def iter_tensors(entries: Sequence[LocalEntry]) -> list[Tensor]:
+    """The tensors of ``entries``, in order (list items flattened)."""
+    out: list[Tensor] = []
+    for entry in entries:
+        if isinstance(entry, Tensor):
+            out.append(entry)
+        elif isinstance(entry, list):
+            out.extend(t for t in entry if isinstance(t, Tensor))
+    return out
+
+
+def entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
+    """The device an entry's results go back to: its own (a list's first item's), else ``default``."""
+    if isinstance(entry, Tensor):
+        return entry.device
+    if isinstance(entry, list) and entry and isinstance(entry[0], Tensor):
+        return entry[0].device
+    return default
+
+
+def run(
+    entries: Sequence[LocalEntry],
+    group: Any,
+    *,
+    context: int,
+    label: str,
+    timeout: float | None,
+    flags: int = 0,
+    aux: Sequence[int] | None = None,
+    ops: Sequence[int] | None = None,
+    cat: Sequence[bool] | None = None,
+    stop: Callable[[Tensor], bool] | None = None,
+    dst: int | None = None,
+    grad: str = "if_graph",
+) -> Synced | None:
+    """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
+
+    The caller must have checked that a sync is needed (``_transport.world_of(group)`` is not None).
+
+    Args:
+        entries: local tensors, lists of tensors, or references to an earlier entry.
+        group: the process group.
+        context: hash of what is synced (equal on every rank that syncs the same thing).
+        label: readable name of the sync, for error messages.
+        timeout: seconds to wait for the other ranks, or None.
+        flags: header flags (``_protocol.FLAG_*``).
+        aux: one auxiliary word per entry, visible to every rank in the plan.
+        ops: per entry, the reduction applied afterwards (``_protocol.OP_*``); None: gather everything.
+        cat: per entry, whether its ranks' data are concatenated (come back :class:`Joined`).
+        stop: looks at the exchanged table; True ends the sync there (every rank sees the same table).
+        dst: gather to this rank only.
+        grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_protocol.make_plan``).
+    """
+    world = _transport.world_of(group)
+    assert world is not None
+    rank, _ = world
+    like = next((t.device for t in iter_tensors(entries)), torch.device("cpu"))
+    policy = _policy.policy_for(group, like)
+    what = f"sync of {label}"
+    record = _protocol.describe(entries, context, label, flags, aux)
+    table = _transport.exchange_records(record, group, policy.device, timeout, what)
+    if stop is not None and stop(table):
+        return None
+    digest = hashlib.blake2b(table.numpy().tobytes(), digest_size=32).digest()
+    reduce = "never" if dst is not None else policy.reduce
+    plan = _protocol.make_plan(table, what, ops, reduce, digest, grad)
+    if plan.all_synced:
+        return Synced(plan, [], rank)
+    devices = [entry_device(entry, like) for entry in entries]
+    step = _Step(entries, plan, group, rank, policy.device, devices, cat, timeout, what, dst)
+    if plan.differentiable:
+        return Synced(plan, _DifferentiableStep.run(step), rank)
+    return Synced(plan, step.move(), rank)
+
+
+@dataclass
+class _Step:
+    """The data step of one sync: everything it needs, decided before it runs."""
+
+    entries: Sequence[LocalEntry]
+    plan: Plan
+    group: Any
+    rank: int
+    device: torch.device
+    devices: list[torch.device]
+    cat: Sequence[bool] | None
+    timeout: float | None
+    what: str
+    dst: int | None
+
+    def move(self) -> list[Result | None]:
+        """Pack, run the collectives, unpack (see the module docstring for the variants)."""
+        plan = self.plan
+        reduced = _buffers.pack_reduced(self.entries, plan, self.device)
+        if reduced:
+            ops = [group.op for group in plan.reduce_groups]
+            _transport.all_reduce(list(zip(reduced, ops)), self.group, self.timeout, self.what)
+        rows = None
+        if plan.max_bytes > 0:
+            buffer = _buffers.pack(self.entries, plan, self.rank, self.device)
+            if self.dst is None:
+                rows = _transport.gather_rows(buffer, self.group, self.timeout, self.what)
+            else:
+                rows = _transport.gather_to_rank(buffer, self.dst, self.group, self.timeout, self.what)
+        if self.dst is not None and self.rank != self.dst:
+            return []
+        results = _buffers.unpack(rows, plan, self.devices, self.cat)
+        for index, value in _buffers.unpack_reduced(reduced, plan, self.devices).items():
+            results[index] = value
+        return results
+
+
+# ------------------------------------------------------------------------------------------------ differentiable
+# Forward: the data step on the detached local tensors. Every floating point output (a gathered block, a joined `cat`
+# state, per-rank pieces, an all-reduced sum) depends, element by element, on exactly one rank's input element (a
+# sum on every rank's). So the gradient of this rank's input is the sum over all ranks of their output gradients for
+# this rank's elements: every rank lays its output gradients out rank-major (rank 0's elements, rank 1's, ...; a
+# reduced entry once), one all-reduce sums them, and each rank keeps its own sections. Every rank knows every rank's
+# sizes from the plan, so the buffer needs no padding; a gradient that never arrived counts as zeros.
+
+
+def _outputs(result: Result | None) -> list[Tensor]:
+    if result is None:
+        return []
+    if isinstance(result, (Stacked, Reduced)):
+        return [result.tensor]
+    if isinstance(result, Joined):
+        return [result.tensor] if result.tensor is not None else []
+    return [t for piece in result for t in (piece if isinstance(piece, list) else [piece])]
+
+
+def _rebuild(result: Result | None, outputs: list[Tensor]) -> Result | None:
+    if result is None:
+        return None
+    if isinstance(result, Stacked):
+        return Stacked(outputs.pop(0))
+    if isinstance(result, Reduced):
+        return Reduced(outputs.pop(0))
+    if isinstance(result, Joined):
+        return Joined(outputs.pop(0) if result.tensor is not None else None)
+    return [[outputs.pop(0) for _ in piece] if isinstance(piece, list) else outputs.pop(0) for piece in result]
+
+
+def _differentiable(dtype: torch.dtype | None) -> bool:
+    return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
+
+
+class _DifferentiableStep(torch.autograd.Function):
+    """The data step as one autograd node; backward is one all-reduce of every gradient."""
+
+    @staticmethod
+    def run(step: _Step) -> list[Result | None]:
+        """Run ``step`` differentiably: outputs require grad on every rank, whatever its local data."""
+        inputs = [t for entry in step.entries if not isinstance(entry, Ref) for t in _entry_tensors(entry)]
+        # The anchor makes the outputs require grad on every rank, also on one whose states carry no graph (an empty
+        # batch): the backward all-reduce must run on every rank, decided from the plan, never from local data.
+        anchor = torch.empty(0, requires_grad=True)
+        holder: list[list[Result | None]] = []
+        outputs = _DifferentiableStep.apply(step, holder, anchor, *inputs)  # type: ignore[no-untyped-call]
+        results = holder[0]
+        flat = list(outputs)
+        return [_rebuild(result, flat) for result in results]
+
+    @staticmethod
+    def forward(ctx: Any, step: _Step, holder: list[Any], anchor: Tensor, *inputs: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        results = step.move()
+        holder.append(results)
+        plan = step.plan
+        outputs: list[Tensor] = []
+        sections: list[tuple[int, int, bool]] = []  # per output: (entry, numel, differentiable)
+        for index, result in enumerate(results):
+            for tensor in _outputs(result):
+                # Fresh tensors, not views of the receive buffer: views made inside a custom Function refuse in-place.
+                outputs.append(tensor.clone())
+                sections.append((index, tensor.numel(), _differentiable(plan.entries[index].dtype)))
+        ctx.step, ctx.sections = step, sections
+        ctx.input_meta = [(t.shape, t.dtype, t.device) for t in inputs]
+        ctx.mark_non_differentiable(*(out for out, (_, _, diff) in zip(outputs, sections) if not diff))
+        ctx.set_materialize_grads(False)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        step: _Step = ctx.step
+        plan = step.plan
+        dtype = torch.float32  # half-precision gradients are summed in float32; complex ones as complex
+        for index, _, diff in ctx.sections:
+            entry_dtype = plan.entries[index].dtype
+            if diff and entry_dtype is not None:
+                dtype = torch.promote_types(dtype, entry_dtype)
+        parts = [
+            (
+                grad.reshape(-1).to(step.device, dtype)
+                if grad is not None
+                else torch.zeros(n, dtype=dtype, device=step.device)
+            )
+            for grad, (_, n, diff) in zip(grads, ctx.sections)
+            if diff
+        ]
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=step.device)
+        if flat.numel() > 0:  # sizes come from the plan: every rank skips alike
+            _transport.run_collective(
+                lambda: torch.distributed.all_reduce(flat, group=step.group, async_op=True),
+                step.group,
+                step.timeout,
+                f"backward of the {step.what}",
+            )
+        own = _own_sections(flat, ctx.sections, step)
+        input_grads: list[Tensor | None] = []
+        for shape, in_dtype, device in ctx.input_meta:
+            piece = own.pop(0) if own else None
+            if piece is None or not (in_dtype.is_floating_point or in_dtype.is_complex):
+                input_grads.append(None)
+                continue
+            piece = piece if in_dtype.is_complex or not piece.is_complex() else piece.real
+            input_grads.append(piece.view(shape).to(device=device, dtype=in_dtype))
+        return (None, None, None, *input_grads)
+
+
+def _entry_tensors(entry: LocalEntry) -> list[Tensor]:
+    return [entry] if isinstance(entry, Tensor) else list(entry) if isinstance(entry, list) else []
+
+
+def _own_sections(flat: Tensor, sections: list[tuple[int, int, bool]], step: _Step) -> list[Tensor | None]:
+    """This rank's gradient of each of its input tensors, in input order, cut from the all-reduced buffer."""
+    plan = step.plan
+    starts: dict[int, int] = {}
+    cursor = 0
+    for index, numel, diff in sections:
+        if diff:
+            starts.setdefault(index, cursor)
+            cursor += numel
+    own: list[Tensor | None] = []
+    for index, entry in enumerate(step.entries):
+        if isinstance(entry, Ref):
+            continue
+        tensors = _entry_tensors(entry)
+        eplan = plan.entries[index]
+        if index not in starts:
+            own.extend([None] * len(tensors))
+            continue
+        start = starts[index]
+        if eplan.route != _protocol.ROUTE_REDUCE:
+            start += int(eplan.numels[: step.rank].sum())  # rank-major: the ranks before this one come first
+        for tensor in tensors:
+            own.append(flat[start : start + tensor.numel()])
+            start += tensor.numel()
+    return own
