@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torchmetrics.utilities.data import dim_zero_cat
 import torch.distributed as dist
 from _helpers import assert_same, count_collectives, outcome, split
 from conftest import run_distributed
@@ -10,6 +9,7 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
 from torchmetrics.regression import MeanSquaredError
 from torchmetrics.retrieval import RetrievalMAP
+from torchmetrics.utilities.data import dim_zero_cat
 
 from torchmetrics_varlen import Metric, SyncMismatchError, rebase
 from torchmetrics_varlen.onerank import compute_on_rank

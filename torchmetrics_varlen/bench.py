@@ -22,9 +22,9 @@ Case = dict[str, Any]
 
 
 def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, tuple[float, int]]:
-    """Median wall time in ms of each of ``fns`` after one warm-up call, and the collectives one call issues (the most
-    seen in any measured call).
+    """Median wall time in ms of each of ``fns``, and the collectives one call issues (the most seen in any call).
 
+    One warm-up call of each is not measured (a group's first large sync takes one more metadata exchange).
     The functions take turns (stock, ours, floor, stock, ...), so that a change in the load of this shared machine
     during the run falls on every side alike and the ratios stay comparable.
     """
