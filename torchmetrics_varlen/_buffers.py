@@ -15,6 +15,9 @@ import torch
 from torch import Tensor
 
 from torchmetrics_varlen._protocol import (
+    ENC_INVERT,
+    ENC_NEGATE,
+    ENC_SPLIT,
     KIND_LIST,
     KIND_TENSOR,
     ROUTE_REDUCE,
@@ -116,20 +119,47 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.dev
 
 
 def pack_reduced(entries: Sequence[LocalEntry], plan: Plan, device: torch.device) -> list[Tensor]:
-    """One flat buffer per reduce group (the all-reduce works in place on it)."""
+    """One flat buffer per reduce group (the all-reduce works in place on it), each entry encoded for its group."""
     with torch.no_grad():
         return [
-            torch.cat([entries[i].reshape(-1).to(device=device, dtype=group.dtype) for i in group.indices])  # type: ignore[union-attr]
+            torch.cat(
+                [
+                    _encode(entries[index], encoding, group.dtype, device)  # type: ignore[arg-type]  # dense: tensors
+                    for index, encoding in zip(group.indices, group.encodings, strict=True)
+                ]
+            )
             for group in plan.reduce_groups
         ]
 
 
+def _encode(tensor: Tensor, encoding: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    flat = tensor.reshape(-1).to(device)
+    if encoding == ENC_SPLIT:
+        wide = flat.to(torch.int64)
+        return torch.cat([(wide >> 32).to(dtype), (wide & 0xFFFF_FFFF).to(dtype)])
+    if encoding == ENC_INVERT:
+        return torch.bitwise_not(flat.to(torch.int64)).to(dtype)
+    flat = flat.to(dtype)
+    return -flat if encoding == ENC_NEGATE else flat
+
+
+def _decode(part: Tensor, encoding: int) -> Tensor:
+    if encoding == ENC_SPLIT:
+        high, low = part.chunk(2)
+        return (high.to(torch.int64) << 32) + low.to(torch.int64)  # int64 arithmetic wraps as torch.sum does
+    if encoding == ENC_INVERT:
+        return torch.bitwise_not(part)
+    return -part if encoding == ENC_NEGATE else part
+
+
 def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torch.device]) -> dict[int, Reduced]:
-    """The all-reduced buffers cut back into one tensor per entry, on each entry's device."""
+    """The all-reduced buffers cut back into one tensor per entry, decoded, on each entry's device."""
     out: dict[int, Reduced] = {}
     for group, flat in zip(plan.reduce_groups, buffers, strict=True):
-        for index, part in zip(group.indices, torch.split(flat, group.numels)):
-            out[index] = Reduced(part.view(plan.entries[index].shape).to(devices[index]))
+        parts = torch.split(flat, group.numels)
+        for index, part, encoding in zip(group.indices, parts, group.encodings, strict=True):
+            value = _decode(part, encoding).view(plan.entries[index].shape)
+            out[index] = Reduced(value.to(devices[index]))
     return out
 
 

@@ -235,14 +235,26 @@ class DenseGroup:
         return sum(self.numels) * self.dtype.itemsize
 
 
+# How an entry rides its reduce group's buffer: as it is, negated (a float `min` inside a `max` group), bit-inverted
+# (an integer `min`: ~x = -x - 1 reverses the order without overflow), or split into a high and a low 32-bit half
+# (an int64 sum inside a float64 sum group: each half sums exactly in float64 for up to 2**21 ranks).
+ENC_PLAIN, ENC_NEGATE, ENC_INVERT, ENC_SPLIT = 0, 1, 2, 3
+
+
 @dataclass
 class ReduceGroup:
-    """Dense entries summed (or maxed, minned) by one all-reduce of a flat buffer of ``dtype``."""
+    """Dense entries reduced by one all-reduce (sum or max) of a flat buffer of ``dtype``.
+
+    Every sum and mean state shares one group (integers split into float64 halves when floats are summed too), every
+    max and min state of a float dtype one, and of an integer dtype another: at most three all-reduces, whatever
+    the number of states.
+    """
 
     op: int
-    dtype: torch.dtype  # the transport dtype (integers travel as int64, half floats as float32)
+    dtype: torch.dtype  # the transport dtype
     indices: list[int] = field(default_factory=list)
-    numels: list[int] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)  # elements of each entry in the buffer (twice for ENC_SPLIT)
+    encodings: list[int] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -378,7 +390,7 @@ def _route(
     # A state some ranks share with an earlier entry (a compute group formed on some ranks only) needs the earlier
     # entry's per-rank pieces, which an all-reduce does not keep.
     shared = {int(ref) for entry in entries if not entry.dense for ref in entry.refs.tolist() if ref >= 0}
-    buckets: dict[tuple[int, torch.dtype], ReduceGroup] = {}
+    members: dict[str, list[tuple[int, int, torch.dtype]]] = {"sum": [], "max_float": [], "max_int": []}
     for index, (entry, op) in enumerate(zip(entries, ops, strict=True)):
         eligible = entry.dense and entry.dtype is not None and index not in shared
         if differentiable and op in (OP_MAX, OP_MIN):
@@ -386,17 +398,30 @@ def _route(
         transport = reduce_dtype(op, entry.dtype) if eligible and entry.dtype is not None else None
         if transport is None:
             continue
-        bucket = buckets.setdefault((OP_SUM if op == OP_MEAN else op, transport), ReduceGroup(op, transport))
-        bucket.op = OP_SUM if op == OP_MEAN else op
-        bucket.indices.append(index)
-        bucket.numels.append(int(entry.numels[0]))
-    chosen = [
-        bucket for bucket in buckets.values() if reduce == "always" or (world - 2) * bucket.nbytes >= REDUCE_MIN_SAVING
-    ]
-    for bucket in chosen:
-        for index in bucket.indices:
+        kind = "sum" if op in (OP_SUM, OP_MEAN) else "max_float" if transport.is_floating_point else "max_int"
+        members[kind].append((index, op, transport))
+    groups = [_reduce_group(kind, found, entries) for kind, found in members.items() if found]
+    chosen = [group for group in groups if reduce == "always" or (world - 2) * group.nbytes >= REDUCE_MIN_SAVING]
+    for group in chosen:
+        for index in group.indices:
             entries[index] = _with_route(entries[index], ROUTE_REDUCE)
     return chosen
+
+
+def _reduce_group(kind: str, members: list[tuple[int, int, torch.dtype]], entries: list[EntryPlan]) -> ReduceGroup:
+    dtypes = {transport for _, _, transport in members}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    group = ReduceGroup(OP_SUM if kind == "sum" else OP_MAX, dtype)
+    for index, op, transport in members:
+        numel = int(entries[index].numels[0])
+        if op == OP_MIN:
+            encoding = ENC_NEGATE if transport.is_floating_point else ENC_INVERT
+        else:
+            encoding = ENC_SPLIT if transport == torch.int64 and dtype == torch.float64 else ENC_PLAIN
+        group.indices.append(index)
+        group.numels.append(2 * numel if encoding == ENC_SPLIT else numel)
+        group.encodings.append(encoding)
+    return group
 
 
 def _with_route(entry: EntryPlan, route: int) -> EntryPlan:

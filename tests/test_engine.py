@@ -1,0 +1,305 @@
+"""The sync engine: all-reduce routing, collective and byte budgets, peer failures, stock result types, warnings."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _helpers import count_collectives, split
+from conftest import run_distributed
+from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
+from torchmetrics.utilities.data import dim_zero_cat
+
+from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, rebase
+
+_REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
+
+
+@contextlib.contextmanager
+def count_received_bytes():
+    """Bytes of the output buffers of this rank's collectives while the block runs (what the rank receives)."""
+    received = [0]
+    originals = {}
+
+    def nbytes(tensor):
+        return tensor.numel() * tensor.element_size()
+
+    sizes = {
+        "all_gather_into_tensor": lambda out, *a, **k: nbytes(out),
+        "all_gather_single": lambda out, *a, **k: nbytes(out),
+        "all_reduce": lambda tensor, *a, **k: nbytes(tensor),
+        "broadcast": lambda tensor, *a, **k: nbytes(tensor),
+        "gather": lambda tensor, gather_list=None, *a, **k: sum(map(nbytes, gather_list or [])),
+        "all_gather": lambda outs, *a, **k: sum(map(nbytes, outs)),
+    }
+    for name, size in sizes.items():
+        if not hasattr(dist, name):
+            continue
+        originals[name] = fn = getattr(dist, name)
+
+        def wrapper(*args, _fn=fn, _size=size, **kwargs):
+            received[0] += _size(*args, **kwargs)
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    try:
+        yield received
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+class AllReductions(Metric):
+    """Dense states of every reducible kind and dtype, plus a `cat` list (always gathered)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("count", default=torch.zeros(5, dtype=torch.int64), dist_reduce_fx="sum")
+        self.add_state("small_count", default=torch.zeros(2, dtype=torch.int32), dist_reduce_fx="sum")
+        self.add_state("flags", default=torch.zeros(3, dtype=torch.bool), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.zeros(3, 2), dist_reduce_fx="sum")
+        self.add_state("peak", default=torch.full((4,), -1e4, dtype=torch.float16), dist_reduce_fx="max")
+        self.add_state("low", default=torch.full((2,), 10**6, dtype=torch.int32), dist_reduce_fx="min")
+        self.add_state("rows", default=[], dist_reduce_fx="cat")
+
+    def update(self, x):
+        self.count += torch.bincount(x.long() % 5, minlength=5)
+        self.small_count += torch.tensor([x.numel(), 1], dtype=torch.int32)
+        self.flags |= torch.tensor([x.numel() > 2, x.numel() == 0, True])
+        self.total += x.sum() * torch.ones(3, 2)
+        if x.numel():
+            self.peak = torch.maximum(self.peak, x.max().half().expand(4))
+            self.low = torch.minimum(self.low, x.min().int().expand(2))
+        self.rows.append(x)
+
+    def compute(self):
+        return {name: getattr(self, name) for name in ("count", "small_count", "flags", "total", "peak", "low")}
+
+
+def body_all_reductions(rank, world_size, sizes):
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 50, (sum(sizes),), generator=gen).float()
+    ours = AllReductions()
+    ours.update(data[split(sizes, rank)])
+    with count_collectives() as counts:
+        ours.sync()
+    synced = {name: getattr(ours, name) for name in (*ours.compute().keys(), "rows")}
+    ours.unsync()
+    # Stock's reduction of the per-rank states, computed on one process: every rank's states stacked, then reduced.
+    per_rank = []
+    for other in range(world_size):
+        metric = AllReductions()
+        metric.update(data[split(sizes, other)])
+        per_rank.append(metric)
+    expected = {
+        name: AllReductions()._reductions[name](torch.stack([getattr(m, name) for m in per_rank]))
+        for name in ("count", "small_count", "flags", "total", "peak", "low")
+    }
+    expected["rows"] = data
+    return {"synced": synced, "expected": expected, "counts": dict(counts)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("env", [None, _REDUCE_ALWAYS], ids=["auto", "always"])
+def test_reduced_states_equal_stock_reductions_bit_for_bit(world_size, env):
+    sizes = [7, 0, 4][:world_size]
+    for result in run_distributed(body_all_reductions, world_size, sizes, env=env):
+        for name, expected in result["expected"].items():
+            got = result["synced"][name]
+            assert isinstance(got, torch.Tensor), (name, got)  # a synced `cat` list is one tensor, as with stock
+            assert got.dtype == expected.dtype and got.shape == expected.shape, (name, got, expected)
+            assert torch.equal(got, expected), (name, got, expected)  # integers and small float sums: exact
+        # always: one all-reduce for the sums (int64 halves and floats in float64), one for float max/min, one for
+        # integer max/min, whatever the number of states; auto: states this small stay in the one gather.
+        assert result["counts"].get("all_reduce", 0) == (3 if env else 0), result["counts"]
+        assert sum(result["counts"].values()) == (5 if env else 2), result["counts"]
+
+
+def body_confusion_matrix(rank, world_size, classes, stock):
+    gen = torch.Generator().manual_seed(5)
+    n = 400
+    preds, target = torch.randint(0, classes, (n,), generator=gen), torch.randint(0, classes, (n,), generator=gen)
+    cls = MulticlassConfusionMatrix if stock else rebase(MulticlassConfusionMatrix)
+    metric = cls(num_classes=classes)
+    sizes = [n // world_size] * world_size
+    sizes[-1] += n - sum(sizes)
+    metric.update(preds[split(sizes, rank)], target[split(sizes, rank)])
+    metric.compute()  # warm-up: the group's record length settles
+    metric.update(preds[:0], target[:0])
+    with count_collectives() as counts, count_received_bytes() as received:
+        got = metric.compute()
+    single = MulticlassConfusionMatrix(num_classes=classes, sync_on_compute=False)
+    single.update(preds, target)
+    return {"equal": torch.equal(got, single.compute()), "bytes": received[0], "counts": dict(counts)}
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_large_sum_state_moves_by_all_reduce_not_gather(world_size):
+    classes = 128  # a 128 KiB int64 state: on 3 ranks a gather receives 384 KiB, an all-reduce 128 KiB
+    state = classes * classes * 8
+    ours = run_distributed(body_confusion_matrix, world_size, classes, False)
+    stock = run_distributed(body_confusion_matrix, world_size, classes, True)
+    for mine, theirs in zip(ours, stock):
+        assert mine["equal"] and theirs["equal"]
+        assert sum(mine["counts"].values()) == 2 and mine["counts"]["all_reduce"] == 1, mine["counts"]
+        assert mine["bytes"] < 1.2 * state, mine["bytes"]  # O(S), whatever the world size
+        assert theirs["bytes"] >= world_size * state  # stock gathers W copies
+
+
+def body_small_metric_bytes(rank, world_size):
+    metric = rebase(BinaryAccuracy)()
+    metric.update(torch.tensor([0.2, 0.8, 0.6][: rank + 1]), torch.tensor([0, 1, 1][: rank + 1]))
+    with count_collectives() as counts, count_received_bytes() as received:
+        metric.compute()
+    return {"bytes": received[0], "collectives": sum(counts.values())}
+
+
+def test_small_metric_whole_sync_is_under_8_kb_on_4_ranks():
+    for result in run_distributed(body_small_metric_bytes, 4, fresh=True):
+        assert result["collectives"] == 2
+        assert result["bytes"] <= 8 * 1024, result
+
+
+def body_peer_crash(rank, world_size):
+    metric = rebase(BinaryAccuracy)(sync_timeout=30)
+    metric.update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
+    before = {name: getattr(metric, name).clone() for name in metric._defaults}
+    if rank == world_size - 1:
+        dist.destroy_process_group()  # this rank's connections close, as when its process dies
+        return None
+    try:
+        metric.compute()
+    except SyncPeerError as err:
+        after = {name: getattr(metric, name) for name in metric._defaults}
+        intact = all(torch.equal(before[name], after[name]) for name in before) and not metric._is_synced
+        return {"message": str(err), "cause": type(err.__cause__).__name__, "intact": intact}
+    return {"message": "no error"}
+
+
+def test_crashed_peer_is_reported_as_such_and_states_stay_local():
+    for rank, result in enumerate(run_distributed(body_peer_crash, 3, fresh=True, deadline=60)):
+        if rank == 2:
+            continue
+        assert "lost a peer during the sync" in result["message"], result
+        assert result["cause"] == "RuntimeError" and result["intact"]
+
+
+class CatAndMean(Metric):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("values", default=[], dist_reduce_fx="cat")
+        self.add_state("avg", default=torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, x):
+        self.values.append(x)
+        self.avg = x.float().mean()
+
+    def compute(self):
+        return dim_zero_cat(self.values).sum()
+
+
+def body_cat_type_and_mean_warning(rank, world_size, updates):
+    metric = CatAndMean()
+    for step in range(updates[rank]):
+        metric.update(torch.arange(3) + 10 * rank + step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metric.sync()
+        synced = metric.values
+        metric.unsync()
+        metric.compute()
+    mean_warnings = [str(w.message) for w in caught if "dist_reduce_fx='mean'" in str(w.message)]
+    expected = torch.cat([torch.arange(3) + 10 * r + s for r in range(world_size) for s in range(updates[r])])
+    return {"type": type(synced).__name__, "equal": torch.equal(synced, expected), "warnings": mean_warnings}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_synced_cat_list_is_one_tensor_and_mean_of_means_warns_once(world_size):
+    uneven = run_distributed(body_cat_type_and_mean_warning, world_size, [2, 1, 3][:world_size])
+    even = run_distributed(body_cat_type_and_mean_warning, world_size, [2] * world_size)
+    for result in uneven + even:
+        assert result["type"] == "Tensor" and result["equal"]
+    for result in uneven:  # sync() and compute() both sync: one warning, naming the state and the fix
+        assert len(result["warnings"]) == 1, result["warnings"]
+        assert "`avg` of CatAndMean" in result["warnings"][0] and "sum state and a count state" in result["warnings"][0]
+    assert all(not result["warnings"] for result in even)
+
+
+def body_soft_f1_collectives(rank, world_size):
+    torch.manual_seed(rank)
+    probs = torch.rand(3 + rank, requires_grad=True)
+    target = (torch.rand(3 + rank) > 0.5).long()
+    loss_fn = SoftF1Loss()
+    with count_collectives() as forward:
+        loss = loss_fn(probs, target)
+    with count_collectives() as backward:
+        loss.backward()
+    with torch.no_grad():  # validation: states without a graph
+        loss_fn.update(probs, target)
+    epoch = loss_fn.compute()  # grad mode is on here, as in a training loop's epoch end
+    return {
+        "forward": dict(forward),
+        "backward": dict(backward),
+        "epoch_requires_grad": epoch.requires_grad,
+        "grad_finite": bool(probs.grad.isfinite().all()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("env", [None, _REDUCE_ALWAYS], ids=["auto", "always"])
+def test_soft_f1_loss_is_coalesced_and_epoch_values_carry_no_graph(world_size, env):
+    for result in run_distributed(body_soft_f1_collectives, world_size, env=env):
+        assert sum(result["forward"].values()) <= 2, result["forward"]
+        assert result["backward"] == {"all_reduce": 1}, result["backward"]
+        assert result["grad_finite"]
+        assert not result["epoch_requires_grad"]
+
+
+class SquaredSum(Metric):
+    """A loss over a `cat` state: sum of squares of every rank's values."""
+
+    def __init__(self, **kwargs):
+        super().__init__(dist_sync_on_step=True, sync_grads=True, **kwargs)
+        self.add_state("values", default=[], dist_reduce_fx="cat")
+
+    def update(self, x):
+        self.values.append(x)
+
+    def compute(self):
+        return (dim_zero_cat(self.values) ** 2).sum() if len(self.values) else torch.tensor(0.0)
+
+
+def body_cat_gradients(rank, world_size, sizes):
+    x = torch.linspace(-1, 1, sizes[rank], dtype=torch.float64).requires_grad_(True)
+    with count_collectives() as counts:
+        loss = SquaredSum()(x)
+        loss.backward()
+    return {"grad": x.grad, "x": x.detach(), "counts": dict(counts)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_cat_state_gradients_are_exact(world_size):
+    # Every rank's loss is the global sum of squares; summed over ranks the gradient of x is W * 2x (DDP's mean
+    # then gives the single-process gradient 2x).
+    for result in run_distributed(body_cat_gradients, world_size, [4, 0, 3][:world_size]):
+        torch.testing.assert_close(result["grad"], world_size * 2 * result["x"], rtol=0, atol=1e-12)
+        assert sum(result["counts"].values()) == 3, result["counts"]  # metadata + gather; backward all-reduce
+
+
+def test_int64_sums_split_into_float64_halves_are_bit_identical():
+    # In process: what an all-reduce of the encoded halves gives (their float64 sum) decodes to torch.sum's int64
+    # result, extreme values and wrap-around included.
+    from torchmetrics_varlen._buffers import _decode, _encode
+    from torchmetrics_varlen._protocol import ENC_INVERT, ENC_SPLIT
+
+    info = torch.iinfo(torch.int64)
+    ranks = [
+        torch.tensor([info.max, 2**53 + 1, -7, 0, info.min]),
+        torch.tensor([1, 2**53 + 1, -(2**40), 5, -1]),
+        torch.tensor([info.max, 3, 2**62, -(2**33) - 1, info.min]),
+    ]
+    encoded = sum(_encode(r, ENC_SPLIT, torch.float64, torch.device("cpu")) for r in ranks)
+    assert torch.equal(_decode(encoded, ENC_SPLIT), torch.stack(ranks).sum(0))
+    inverted = torch.stack([_encode(r, ENC_INVERT, torch.int64, torch.device("cpu")) for r in ranks]).max(0).values
+    assert torch.equal(_decode(inverted, ENC_INVERT), torch.stack(ranks).min(0).values)
