@@ -234,6 +234,36 @@ def test_the_worker_thread_takes_the_metric_cuda_device(monkeypatch):
         assert calls == expected and hook.errors == []
 
 
+def body_join_exchanges_take_sync_timeout(rank, world_size):
+    import torchmetrics_varlen.gather as gather_module
+
+    original = gather_module.exchange_entries
+    seen = []
+
+    def recording(entries, group, **kwargs):
+        seen.append((kwargs["label"], kwargs.get("timeout")))
+        return original(entries, group, **kwargs)
+
+    gather_module.exchange_entries = recording  # join.py imports it at each call; the metric's own path does not
+    try:
+        metric = BatchMSE(sync_timeout=17)
+        with join(metric):
+            for x, y in _batches(rank, STEPS[world_size][rank]):
+                metric(x[:, 0].double(), y)
+    finally:
+        gather_module.exchange_entries = original
+    return seen
+
+
+def test_shadow_and_terminate_exchanges_wait_at_most_sync_timeout():
+    # Rank 0 (10 steps) joins last and sends the terminate record; ranks 1 and 2 shadow its remaining steps.
+    seen = run_distributed(body_join_exchanges_take_sync_timeout, 3, deadline=60)
+    assert {label for label, _ in seen[0]} == {"Join.terminate"}
+    assert {label for label, _ in seen[2]} == {"BatchMSE.step"} and len(seen[2]) == 10 + 1  # + the terminate
+    for per_rank in seen:
+        assert per_rank and {timeout for _, timeout in per_rank} == {17.0}
+
+
 def _failing_empty_states(metric):
     raise RuntimeError("injected shadow failure")
 
