@@ -224,6 +224,7 @@ def test_the_worker_thread_takes_the_metric_cuda_device(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     monkeypatch.setattr(join_module, "_shadow_once", lambda metric, values: False)  # one shadow, then stop
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)  # no process group in this process
     for device, expected in [(torch.device("cuda", 1), [torch.device("cuda", 1)]), (torch.device("cpu"), [])]:
         calls.clear()
         metric = BatchMSE()

@@ -27,7 +27,7 @@ metric's ``sync_timeout``.
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +74,9 @@ class MetricJoinHook(JoinHook):
     def main_hook(self) -> None:
         """Start the shadowing worker on the first call; it runs until the terminate record."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="torchmetrics-varlen-join", daemon=True)
+            rank = dist.get_rank(self.metric._join_group)
+            name = "torchmetrics-varlen-join"
+            self._thread = threading.Thread(target=self._work, args=(rank,), name=name, daemon=True)
             self._thread.start()
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -93,7 +95,7 @@ class MetricJoinHook(JoinHook):
         if self._thread is not None:
             self._thread.join(timeout=seconds)
 
-    def _work(self) -> None:
+    def _work(self, rank: int) -> None:
         at_boundary = True  # no exchange of ours is half done on the join group: a whole record can still be sent
         try:
             set_thread_device(self.metric.device)
@@ -107,25 +109,24 @@ class MetricJoinHook(JoinHook):
             if isinstance(err, JoinShadowError):  # a peer's worker failed: its rank is named already
                 self.errors.append(err)
                 return
-            rank = dist.get_rank(self.metric._join_group)
             wrapped = JoinShadowError(
                 f"The Join worker that shadows the per-step syncs of `{type(self.metric).__name__}` failed on rank"
                 f" {rank} of its join group: {type(err).__name__}: {err}"
             )
             wrapped.__cause__ = err
             self.errors.append(wrapped)
-            if at_boundary:
-                _send_failure(self.metric)
+            if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
+                _send_failure(self.metric, rank)
 
 
-def set_thread_device(device: torch.device, set_device: Callable[[torch.device], None] | None = None) -> None:
+def set_thread_device(device: torch.device) -> None:
     """Make ``device`` the current CUDA device of the calling thread when it is a CUDA device; else do nothing.
 
     The current CUDA device is per thread and a new thread starts on device 0: without this, the shadow of every
     joined rank of a node would allocate on cuda:0.
     """
     if device.type == "cuda":
-        (set_device or torch.cuda.set_device)(device)
+        torch.cuda.set_device(device)
 
 
 def _empty_states(metric: "Metric") -> dict[str, Any]:
@@ -171,16 +172,14 @@ def _failure_message(metric: "Metric", ranks: Sequence[int]) -> str:
     )
 
 
-def _send_failure(metric: "Metric") -> None:
+def _send_failure(metric: "Metric", rank: int) -> None:
     """Send a record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch."""
     from torchmetrics_varlen.gather import exchange_entries
 
-    group = metric._join_group
-    rank = dist.get_rank(group)
     try:
         exchange_entries(
             [],
-            group,
+            metric._join_group,
             context=_FAILED,
             label=f"Join failed on rank {rank}",
             timeout=metric.sync_timeout,
