@@ -423,8 +423,8 @@ class _MetricJoin:
         self._group = _JoinedGroup(self.model, self.metrics)
         try:
             self._join = Join([self._group], **self.join_kwargs)
-            for metric in self.metrics:
-                metric._join_active = True
+            for metric in self.metrics:  # Join(enable=False) shadows nothing: syncs stay on the metric's group
+                metric._join_active = bool(self.join_kwargs.get("enable", True))
         except BaseException:
             self._leave()
             raise
