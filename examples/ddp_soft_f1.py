@@ -1,7 +1,7 @@
 """Train a small classifier with DDP on gloo CPU, with a soft-F1 loss over the global batch.
 
 Every rank holds a different amount of data (so ranks run different numbers of steps): the loss is synced across
-ranks at every step, and ``Join`` lets ranks that ran out of data shadow
+ranks at every step, and ``torchmetrics_varlen.join`` lets ranks that ran out of data shadow
 the others, so nothing hangs.
 
     python examples/ddp_soft_f1.py --world-size 2 --steps 5      # spawns its own processes
@@ -16,8 +16,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.algorithms.join import Join
 
+import torchmetrics_varlen
 from torchmetrics_varlen import MetricCollection
 from torchmetrics_varlen.losses import SoftF1Loss
 
@@ -44,7 +44,7 @@ def train(rank: int, world_size: int, steps: int) -> None:
     # loss is scaled by the world size so that DDP's mean gives the single-process gradient.
     loss_fn = SoftF1Loss(sync_grads=False)
     epoch_metrics = MetricCollection({"loss": SoftF1Loss(dist_sync_on_step=False, sync_grads=False)})
-    with Join([model, loss_fn]):
+    with torchmetrics_varlen.join(model, loss_fn):
         for step, (x, y) in enumerate(make_data(rank, world_size, steps)):
             probs = torch.sigmoid(model(x).squeeze(-1))
             loss = loss_fn(probs, y)  # the soft-F1 loss of this step's global batch

@@ -1,12 +1,14 @@
 """Join: ranks with fewer steps shadow the metric's per-step syncs; nothing hangs; values stay exact."""
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_distributed
 from torch.distributed.algorithms.join import Join
 
-from torchmetrics_varlen import Metric, gather_all_tensors
+from torchmetrics_varlen import Metric, gather_all_tensors, join
 
 
 class BatchMSE(Metric):
@@ -47,7 +49,7 @@ def body_join_ddp_loss(rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     metric = BatchMSE()
     seen_preds, seen_target, step_values = [], [], []
-    with Join([model, metric]):
+    with join(model, metric):
         for x, y in _batches(rank, STEPS[world_size][rank]):
             preds = model(x.double()).squeeze(-1)
             loss = metric(preds, y)
@@ -85,7 +87,7 @@ def body_join_several_syncs_per_iteration(rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     first, second = BatchMSE(), BatchMSE()
     seen_preds, seen_target = [], []
-    with Join([model, first, second]):
+    with join(model, first, second):
         for x, y in _batches(rank, STEPS[world_size][rank], seed=2):
             preds = model(x.double()).squeeze(-1)
             loss = first(preds, y) + first(preds, y) + second(preds, y)  # three per-step syncs per iteration
@@ -112,7 +114,7 @@ def body_join_metric_alone(rank, world_size):
     metric = BatchMSE()
     batches = _batches(rank, STEPS[world_size][rank], seed=1)
     values = []
-    with Join([metric]):
+    with join(None, metric):
         for x, y in batches:
             values.append(metric(x[:, 0].double(), y))
     epoch = metric.compute()
@@ -140,19 +142,24 @@ def test_join_with_metric_alone_gives_global_batch_values(world_size):
 def body_join_refuses_what_it_cannot_shadow(rank, world_size):
     messages = {}
     try:
-        with Join([BatchMSE(sync_grads=True)]):
+        with join(BatchMSE(sync_grads=True)):
             pass
     except RuntimeError as err:
         messages["sync_grads"] = str(err)
-    # The metric before the DDP model: DDP's forward collectives would come before the count of running ranks.
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     metric = BatchMSE()
+    # A plain Join runs DDP's hook before the metric's: refused on every rank, before any collective.
     try:
-        with Join([metric, model]):
+        with Join([model, metric]):
             pass
     except ValueError as err:
-        messages["order"] = str(err)
-    # The refused Join left the metric as it was: per-step syncs on its own group, outside any Join.
+        messages["plain"] = str(err)
+    try:
+        with join(metric, model):  # roles, not positions: a model after the metrics is not a metric
+            pass
+    except TypeError as err:
+        messages["model_as_metric"] = str(err)
+    # The refused joins left the metric as it was: per-step syncs on its own group, outside any Join.
     value = metric(torch.full((2,), float(rank)), torch.zeros(2))
     return {"messages": messages, "join_active": metric._join_active, "value": value.item()}
 
@@ -160,9 +167,186 @@ def body_join_refuses_what_it_cannot_shadow(rank, world_size):
 def test_join_refuses_what_it_cannot_shadow_on_every_rank():
     for result in run_distributed(body_join_refuses_what_it_cannot_shadow, 2, deadline=60):
         assert "sync_grads" in result["messages"]["sync_grads"]
-        assert "Join([ddp_model, metric])" in result["messages"]["order"]
+        assert "torchmetrics_varlen.join(ddp_model, metric" in result["messages"]["plain"]
+        assert "DistributedDataParallel" in result["messages"]["model_as_metric"]
         assert result["join_active"] is False
-        assert result["value"] == 0.5  # (0 + 0 + 1 + 1) / 4: the global batch
+        assert result["value"] == (0**2 + 0**2 + 1**2 + 1**2) / 4  # the global batch of both ranks
+
+
+def body_join_body_raises(rank, world_size):
+    metric = BatchMSE()
+    try:
+        with join(metric):
+            metric(torch.full((2,), float(rank)), torch.zeros(2))  # a per-step sync inside the join, on every rank
+            raise KeyError("the loop failed")
+    except KeyError:
+        pass
+    # Outside the join again: the per-step sync must use the metric's own group, not the join group.
+    value = metric(torch.full((3,), float(rank + 1)), torch.zeros(3))
+    return {"join_active": metric._join_active, "enabled": metric._join_config.enable, "value": value.item()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_join_whose_body_raises_leaves_join_mode(world_size):
+    expected = sum((r + 1) ** 2 for r in range(world_size)) / world_size  # every rank's batch holds rank + 1
+    for result in run_distributed(body_join_body_raises, world_size, deadline=60):
+        assert result == {"join_active": False, "enabled": False, "value": expected}
+
+
+def body_side_group_is_gloo(rank, world_size):
+    calls = []
+    original = dist.new_group
+
+    def recording_new_group(*args, **kwargs):
+        calls.append(kwargs.get("backend"))
+        return original(*args, **kwargs)
+
+    dist.new_group = recording_new_group
+    try:
+        metric = BatchMSE()
+        with join(metric):
+            for x, y in _batches(rank, STEPS[world_size][rank]):
+                metric(x[:, 0].double(), y)
+    finally:
+        dist.new_group = original
+    return {"backends": calls, "side": dist.get_backend(metric._join_group)}
+
+
+def test_the_join_side_group_is_gloo_whatever_the_main_backend():
+    # NCCL must not be driven from the worker thread and the main thread at once: the side group is always gloo.
+    for result in run_distributed(body_side_group_is_gloo, 2, deadline=60):
+        assert result == {"backends": ["gloo"], "side": "gloo"}
+
+
+def test_the_worker_thread_takes_the_metric_cuda_device(monkeypatch):
+    # The current CUDA device is per thread, and a new thread starts on device 0: the worker sets the metric's.
+    join_module = sys.modules["torchmetrics_varlen.join"]
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(join_module, "_shadow_once", lambda metric, values: False)  # one shadow, then stop
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)  # no process group in this process
+    for device, expected in [(torch.device("cuda", 1), [torch.device("cuda", 1)]), (torch.device("cpu"), [])]:
+        calls.clear()
+        metric = BatchMSE()
+        metric._device = device  # what `metric.to(device)` records; no tensor has to move for this check
+        hook = join_module.MetricJoinHook(metric)
+        hook.main_hook()
+        hook.post_hook(is_last_joiner=False)
+        assert calls == expected and hook.errors == []
+
+
+def body_join_exchanges_take_sync_timeout(rank, world_size):
+    import threading
+
+    import torchmetrics_varlen._engine as engine
+
+    original = engine.run
+    seen = []
+
+    def recording(entries, group, **kwargs):
+        # The shadow runs in the Join worker thread; the terminate record comes from the main thread's post hook.
+        if threading.current_thread() is not threading.main_thread() or kwargs["label"] == "Join.terminate":
+            seen.append((kwargs["label"], kwargs.get("timeout")))
+        return original(entries, group, **kwargs)
+
+    engine.run = recording  # join.py looks it up at each call
+    try:
+        metric = BatchMSE(sync_timeout=17)
+        with join(metric):
+            for x, y in _batches(rank, STEPS[world_size][rank]):
+                metric(x[:, 0].double(), y)
+    finally:
+        engine.run = original
+    return seen
+
+
+def test_shadow_and_terminate_exchanges_wait_at_most_sync_timeout():
+    # Rank 0 (10 steps) joins last and sends the terminate record; ranks 1 and 2 shadow its remaining steps.
+    seen = run_distributed(body_join_exchanges_take_sync_timeout, 3, deadline=60)
+    assert {label for label, _ in seen[0]} == {"Join.terminate"}
+    assert {label for label, _ in seen[2]} == {"BatchMSE.step"} and len(seen[2]) == 10 + 1  # + the terminate
+    for per_rank in seen:
+        assert per_rank and {timeout for _, timeout in per_rank} == {17.0}
+
+
+def _failing_empty_states(metric):
+    raise RuntimeError("injected shadow failure")
+
+
+def body_shadow_failure(rank, world_size, failing_rank):
+    join_module = sys.modules["torchmetrics_varlen.join"]
+    if rank == failing_rank:
+        join_module._empty_states = _failing_empty_states  # this process only: a fresh pool, closed afterwards
+    metric = BatchMSE(sync_timeout=30)
+    try:
+        with join(metric):
+            for x, y in _batches(rank, STEPS[world_size][rank]):
+                metric(x[:, 0].double(), y)
+    except Exception as err:
+        outcome = f"{type(err).__name__}: {err}"
+        # What an uncaught error does to a real job's process: its connections close, so the peers blocked in
+        # Join's own collectives get an error at once instead of waiting for the process group's timeout.
+        dist.destroy_process_group()
+        return outcome
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_failing_shadow_makes_every_rank_fail_naming_it(world_size):
+    # Rank 1 runs out of data after 7 steps and its worker fails. The running rank must raise at its next per-step
+    # sync (not after `sync_timeout`: 30 s here, beyond the deadline with the other ranks' waits), the joined ranks
+    # once that rank is gone; every message names rank 1.
+    outcomes = run_distributed(body_shadow_failure, world_size, failing_rank=1, deadline=60, fresh=True)
+    assert outcomes[0].startswith("SyncMismatchError") and "Join failed on rank 1" in outcomes[0]
+    for outcome in outcomes[1:]:
+        assert outcome.startswith("JoinShadowError") and "failed on rank 1" in outcome
+    assert "injected shadow failure" in outcomes[1]
+
+
+def _terminate_then_fail(metric):
+    _REAL_TERMINATE(metric)
+    raise RuntimeError("injected failure after the terminate record")
+
+
+_REAL_TERMINATE = None
+
+
+def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
+    global _REAL_TERMINATE
+    join_module = sys.modules["torchmetrics_varlen.join"]
+    _REAL_TERMINATE = join_module._exchange_terminate
+    last_joiner = 0  # 10 steps, the most: it never shadows, it sends the terminate record
+    join_module._exchange_terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        metric = BatchMSE()
+        outcome = "no error"
+        try:
+            with join(model, metric):
+                for x, y in _batches(rank, STEPS[world_size][rank]):
+                    loss = metric(model(x.double()).squeeze(-1), y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+        except RuntimeError as err:
+            outcome = str(err)
+    finally:
+        join_module._exchange_terminate = _REAL_TERMINATE
+    # DDP's final model broadcast ran on every rank: the parameters agree.
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"outcome": outcome, "weights": torch.cat(gather_all_tensors(weights)).view(world_size, -1)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_failing_metric_hook_does_not_skip_ddp_final_sync(world_size):
+    results = run_distributed(body_failing_post_hook_keeps_ddp_final_sync, world_size, deadline=60)
+    assert "injected failure after the terminate record" in results[0]["outcome"]
+    assert all(result["outcome"] == "no error" for result in results[1:])
+    for result in results:
+        for row in result["weights"]:
+            torch.testing.assert_close(row, results[0]["weights"][0])
 
 
 def body_join_config_is_joinable(rank, world_size):
@@ -184,7 +368,7 @@ def body_no_process_group_outlives_destroy(rank, world_size):
     import weakref
 
     metric = BatchMSE(sync_timeout=30)  # a sync timeout: the timed metadata exchange numbers its syncs per group
-    with Join([metric]):
+    with join(metric):
         for x, y in _batches(rank, STEPS[world_size][rank]):
             metric(x[:, 0].double(), y)
     metric.compute()

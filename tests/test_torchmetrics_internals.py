@@ -363,9 +363,11 @@ def test_torch_join_internals():
 
     config = _JoinConfig.construct_disabled_join_config()
     assert config.enable is False and hasattr(config, "is_first_joinable"), "torch changed _JoinConfig"
-    source = inspect.getsource(Join.__init__)
-    # join.py moves the metric's hook to the front of Join._join_hooks, found on the stack while Join is built.
-    assert "_join_hooks" in source and "_set_joinable_configs" in source, "torch changed Join.__init__"
+    assert config._replace(enable=True).enable is True, "torch changed _JoinConfig (join.py uses _replace)"
+    # join.py's `join` hands Join one joinable standing for the model and the metrics, and gives each member the
+    # config Join sets (the `_join_config` attribute that `Join.notify_join_context` reads).
+    assert "_join_config" in inspect.getsource(Join._set_joinable_configs), "torch changed Join._set_joinable_configs"
+    assert "_join_config" in inspect.getsource(Join.notify_join_context), "torch changed Join.notify_join_context"
 
 
 @pytest.mark.parametrize("name", ["_get_default_store"])

@@ -4,6 +4,7 @@ from torchmetrics_varlen.collection import MetricCollection
 from torchmetrics_varlen.errors import SyncMismatchError, SyncPeerError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.indexed import IndexedMetric
+from torchmetrics_varlen.join import join
 from torchmetrics_varlen.losses import SoftF1Loss
 from torchmetrics_varlen.metric import Metric, rebase
 from torchmetrics_varlen.onerank import compute_on_rank
@@ -23,5 +24,6 @@ __all__ = [
     "__version__",
     "compute_on_rank",
     "gather_all_tensors",
+    "join",
     "rebase",
 ]

@@ -1,45 +1,55 @@
 """Join support: ranks that ran out of data shadow a metric's per-step syncs until every rank is done.
 
-Inside ``with Join([ddp_model, metric]):`` a rank that ran out of batches leaves its loop early; ``Join`` then calls
-this module's hook once per iteration that the other ranks still run, and the hook takes part in the metric's
-per-step sync as a rank with an empty batch (every state at its default). The other ranks' per-step values and
-the epoch ``compute()`` are then exact.
+Use :func:`join`: ``with torchmetrics_varlen.join(ddp_model, metric):`` builds a
+:class:`torch.distributed.algorithms.join.Join` in which a rank that ran out of batches takes part in the metric's
+per-step syncs as a rank with an empty batch (every state at its default), so the other ranks' per-step values and
+the epoch ``compute()`` are exact.
 
 Why a side process group and a thread: when the metric is a DDP loss, a running rank issues, per iteration, DDP's
 forward collectives, then the metric's step sync, then DDP's backward all-reduces. DDP's own join hook shadows its
 forward and backward collectives in one call, so a joined rank cannot put the metric's sync between them on the same
-process group. The metric's per-step syncs inside ``Join`` therefore travel on a process group of their own (made
-once per metric, when the first ``Join`` is built), and the joined rank shadows them from a worker thread, while its
-main thread runs DDP's hook.
+process group. The metric's per-step syncs inside ``join`` therefore travel on a gloo process group of their own
+(made once per metric, when its first ``join`` is built), and the joined rank shadows them from a worker thread,
+while its main thread runs DDP's hook. The side group is gloo whatever the job's backend: NCCL must not be driven
+from two threads at once, and gloo waits the same way on every platform.
 
-The shadow does not count iterations: any number of per-step syncs per iteration works (several forwards, several
-metrics, each listed in the ``Join``), as long as the running ranks make them in the same order; the documented
-usage is one metric forward per iteration. Assumptions: no rank calls ``compute()`` inside the ``Join`` block; a DDP
-model comes before the metric in the ``Join`` list (DDP's forward collectives must follow the count of running
-ranks; the other order raises ``ValueError``); every rank of the world builds the ``Join`` (the join group comes
-from ``new_group``, which every rank of the world must call, even for a metric on a subgroup).
+Order, decided here rather than by the caller: the model (DDP) is the first joinable, because it counts the running
+ranks at the start of each iteration, before its forward collectives; the metrics' hooks run before the model's hook
+(they only start the worker, which must run before DDP's hook blocks), and after it on the way out (DDP's final model
+broadcast must run on every rank even when a metric has an error to report). Errors of the worker are raised when
+``join`` exits, after ``Join`` finished.
+
+Failures: a worker that fails sends a "failed" record instead of its empty batch, so the running ranks raise
+:class:`~torchmetrics_varlen.SyncMismatchError` at their next per-step sync (the message names the failing rank)
+instead of waiting out ``sync_timeout``; every shadow exchange and the final "terminate" record wait at most the
+metric's ``sync_timeout``.
 """
 
-import sys
 import threading
 import weakref
-from types import FrameType
+from collections.abc import Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.nn.parallel import DistributedDataParallel
 
 from torchmetrics_varlen import _policy, _protocol
 
 if TYPE_CHECKING:
     from torchmetrics_varlen.metric import Metric
 
-__all__ = ["MetricJoinHook"]
+__all__ = ["MetricJoinHook", "join"]
 
 
 _TERMINATE = _protocol.context_hash("torchmetrics_varlen.join.terminate")
+_FAILED = _protocol.context_hash("torchmetrics_varlen.join.failed")
+_SETTLE_SECONDS = 2.0
+
+
+class JoinShadowError(RuntimeError):
+    """The worker that shadows a metric's per-step syncs failed on some rank (raised by :func:`join` on exit)."""
 
 
 class MetricJoinHook(JoinHook):
@@ -50,117 +60,157 @@ class MetricJoinHook(JoinHook):
     the syncs and however many syncs an iteration makes. When every rank has joined, the ranks that joined last send
     one "terminate" record on the join group; the workers, waiting in their next shadow, see it and stop.
 
+    Its hooks never raise: errors are collected in :attr:`errors` and raised by :func:`join` once ``Join`` is done.
+
     Args:
         metric: the metric whose per-step syncs are shadowed.
     """
 
     def __init__(self, metric: "Metric") -> None:
         self.metric = metric
+        self.errors: list[BaseException] = []
         self._thread: threading.Thread | None = None
-        self._errors: list[BaseException] = []
 
     def main_hook(self) -> None:
         """Start the shadowing worker on the first call; it runs until the terminate record."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="torchmetrics-varlen-join", daemon=True)
+            rank = dist.get_rank(self.metric._join_group)
+            name = "torchmetrics-varlen-join"
+            self._thread = threading.Thread(target=self._work, args=(rank,), name=name, daemon=True)
             self._thread.start()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """Stop the workers (the last joiners send the terminate record), leave join mode, re-raise shadow errors."""
+        """Stop the workers: the ranks that never shadowed (the last joiners) send the terminate record."""
         try:
-            if self._thread is None:  # joined last: never shadowed, so this rank tells the workers to stop
+            if self._thread is None:
                 _exchange_terminate(self.metric)
             else:
                 self._thread.join()
                 self._thread = None
-        finally:
-            self.metric._join_active = False
-        if self._errors:
-            raise self._errors[0]
+        except Exception as err:  # raised by `join` after Join finished: a raise here would skip later hooks
+            self.errors.append(err)
 
-    def _work(self) -> None:
+    def settle(self, seconds: float) -> None:
+        """Give a worker that is finishing (it saw a peer's failure) up to ``seconds`` to record its error."""
+        if self._thread is not None:
+            self._thread.join(timeout=seconds)
+
+    def _work(self, rank: int) -> None:
+        at_boundary = True  # no exchange of ours is half done on the join group: a whole record can still be sent
         try:
-            while _shadow_once(self.metric):
-                pass
-        except BaseException as err:  # reported on the main thread by post_hook
-            self._errors.append(err)
+            set_thread_device(self.metric.device)
+            while True:
+                values = _empty_states(self.metric)
+                at_boundary = False
+                if not _shadow_once(self.metric, values):
+                    return
+                at_boundary = True
+        except BaseException as err:
+            if isinstance(err, JoinShadowError):  # a peer's worker failed: its rank is named already
+                self.errors.append(err)
+                return
+            wrapped = JoinShadowError(
+                f"The Join worker that shadows the per-step syncs of `{type(self.metric).__name__}` failed on rank"
+                f" {rank} of its join group: {type(err).__name__}: {err}"
+            )
+            wrapped.__cause__ = err
+            self.errors.append(wrapped)
+            if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
+                _send_failure(self.metric, rank)
 
 
-def _join_being_built(hook: MetricJoinHook) -> Join | None:
-    """The ``Join`` whose constructor is running and holds ``hook`` (found on the call stack), or None.
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device of the calling thread when it is a CUDA device; else do nothing.
 
-    None if it cannot be found (a future torch changed ``Join.__init__``; a test watches for that).
+    The current CUDA device is per thread and a new thread starts on device 0: without this, the shadow of every
+    joined rank of a node would allocate on cuda:0.
     """
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        hooks = getattr(candidate, "_join_hooks", None)
-        if isinstance(candidate, Join) and isinstance(hooks, list) and hook in hooks:
-            return candidate
-        frame = frame.f_back
-    return None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
-def _check_order_and_run_hook_first(join: Join, hook: MetricJoinHook, is_first_joinable: bool) -> None:
-    """Refuse a metric listed before a DDP model, and move ``hook`` to the front of the hooks of ``join``.
+def _empty_states(metric: "Metric") -> dict[str, Any]:
+    """The states of a rank with an empty batch: every state at its default (a fresh list for list states)."""
+    return {name: [] if isinstance(value, list) else value for name, value in metric._defaults.items()}
 
-    The first joinable of a ``Join`` counts the running ranks with an all-reduce at the start of its per-iteration
-    work, and torch requires that count to come before every other joinable's collectives. DDP's forward pass issues
-    collectives (bucket rebuilds, the backward-sync flag) before the metric's per-step sync, so a metric listed before
-    a DDP model would make a joined rank pair those collectives with the wrong ones: the job hangs. Raised on every rank
-    alike, since every rank builds the same ``Join``.
 
-    ``Join`` runs its joinables' hooks in list order. With ``Join([ddp_model, metric])``, DDP's hook would block in
-    its backward all-reduces before this metric's hook could start the shadowing thread that lets the running ranks
-    reach their backward pass. This hook only starts a thread, so running it first changes nothing else.
+def _failure_rows(table: list[list[int]]) -> list[int]:
+    return [rank for rank, row in enumerate(table) if row[_protocol.H_CONTEXT] == _FAILED]
+
+
+def _exchange(metric: "Metric", values: dict[str, Any] | None, context: int, label: str, stop: Any) -> bool:
+    """One sync on the metric's join group: its per-step layout with ``values``, or an empty record.
+
+    False when ``stop`` (which sees the table as nested lists) ended it after the metadata exchange.
     """
-    others = [joinable for joinable in getattr(join, "_joinables", []) if joinable is not hook.metric]
-    if is_first_joinable and any(isinstance(other, DistributedDataParallel) for other in others):
-        raise ValueError(
-            "Expected the DDP model before the metric in `Join` (`Join([ddp_model, metric])`) but the metric came"
-            " first. The first joinable counts the running ranks at the start of each iteration, and DDP's forward"
-            " pass runs before the metric's per-step sync."
-        )
-    hooks: list[JoinHook] = join._join_hooks
-    hooks.remove(hook)
-    hooks.insert(0, hook)
-
-
-def _shadow_once(metric: "Metric") -> bool:
-    """One per-step sync as a rank with an empty batch; False when the terminate record arrived instead."""
     from torchmetrics_varlen import _engine
     from torchmetrics_varlen._state_sync import sync_layout
 
-    empty: dict[str, Any] = {name: [] if isinstance(value, list) else value for name, value in metric._defaults.items()}
-    layout = sync_layout([metric], "step", [empty])
+    def stop_on(table: Any) -> bool:
+        return bool(stop(table.tolist()))
+
+    if values is None:
+        synced = _engine.run(
+            [], metric._join_group, context=context, label=label, timeout=metric.sync_timeout, stop=stop_on
+        )
+        return synced is not None
+    layout = sync_layout([metric], "step", [values])
     synced = _engine.run(
         layout.entries,
         metric._join_group,
         context=layout.context,
-        label=f"{type(metric).__name__}.step",
+        label=label,
         timeout=metric.sync_timeout,
         aux=layout.aux,
         ops=layout.ops,
         cat=layout.cat,
-        stop=lambda table: bool((table[:, _protocol.H_CONTEXT] == _TERMINATE).any()),
+        stop=stop_on,
         grad="always",
     )
     return synced is not None
 
 
-def _exchange_terminate(metric: "Metric") -> None:
-    from torchmetrics_varlen import _engine
+def _shadow_once(metric: "Metric", values: dict[str, Any]) -> bool:
+    """One per-step sync as a rank with an empty batch; False when the terminate record arrived instead."""
+    seen: list[list[int]] = []
 
-    _engine.run(
-        [],
-        metric._join_group,
-        context=_TERMINATE,
-        label="Join.terminate",
-        timeout=metric.sync_timeout,
-        stop=lambda table: True,
+    def stop(table: list[list[int]]) -> bool:
+        seen[:] = table
+        return any(row[_protocol.H_CONTEXT] in (_TERMINATE, _FAILED) for row in table)
+
+    went_on = _exchange(metric, values, 0, f"{type(metric).__name__}.step", stop)
+    failed = _failure_rows(seen)
+    if failed:
+        raise JoinShadowError(_failure_message(metric, failed))
+    return went_on
+
+
+def _failure_message(metric: "Metric", ranks: Sequence[int]) -> str:
+    return (
+        f"The Join worker that shadows the per-step syncs of `{type(metric).__name__}` failed on rank"
+        f" {', '.join(map(str, ranks))} of its join group; see that rank's error. The job cannot go on: end it."
     )
+
+
+def _send_failure(metric: "Metric", rank: int) -> None:
+    """Send a record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch."""
+    try:
+        _exchange(metric, None, _FAILED, f"Join failed on rank {rank}", lambda table: True)
+    except Exception:  # the original error is what gets reported
+        pass
+
+
+def _exchange_terminate(metric: "Metric") -> None:
+    seen: list[list[int]] = []
+
+    def stop(table: list[list[int]]) -> bool:
+        seen[:] = table
+        return True
+
+    _exchange(metric, None, _TERMINATE, "Join.terminate", stop)
+    failed = _failure_rows(seen)
+    if failed:
+        raise JoinShadowError(_failure_message(metric, failed))
 
 
 class JoinableMetric(Joinable):
@@ -169,6 +219,7 @@ class JoinableMetric(Joinable):
     _join_active: bool
     process_group: Any
     sync_grads: bool
+    sync_timeout: float | None
 
     @property
     def device(self) -> torch.device:
@@ -188,11 +239,13 @@ class JoinableMetric(Joinable):
         # A process group and a thread cannot be copied: a copy starts outside any Join, with a group made anew.
         state = dict(state)
         state.update(_join_group_ref=None, _join_hook=None, _join_active=False)
+        if "_join_config" in state:
+            state["_join_config"] = state["_join_config"]._replace(enable=False)
         return state
 
     @property
     def _join_group(self) -> Any:
-        """The side process group of this metric's per-step syncs inside ``Join``; None before the first ``Join``."""
+        """The side process group of this metric's per-step syncs inside ``join``; None before the first one."""
         ref = self.__dict__.get("_join_group_ref")
         return ref() if ref is not None else None
 
@@ -201,32 +254,20 @@ class JoinableMetric(Joinable):
         # Held weakly: torch.distributed holds its groups until destroy_process_group(). Metrics sit in reference
         # cycles (torchmetrics wraps update/compute), so one may live on until the garbage collector runs at
         # interpreter exit; a gloo group destroyed that late can abort the process ("terminate called without an
-        # active exception"). After destroy_process_group() the group is gone, and a later Join makes a new one.
+        # active exception"). After destroy_process_group() the group is gone, and a later join makes a new one.
         self.__dict__["_join_group_ref"] = weakref.ref(group) if group is not None else None
 
-    @property
-    def _join_config(self) -> Any:
-        return self.__dict__["_join_config_value"]
-
-    @_join_config.setter
-    def _join_config(self, config: Any) -> None:
-        # Join sets every joinable's config right after it built their hooks: the moment to check the order of the
-        # joinables and to put this metric's hook first, so that a joined rank starts shadowing before another
-        # joinable's hook (DDP's) blocks.
-        self.__dict__["_join_config_value"] = config
-        if not (config.enable and self._join_hook is not None):
-            return
-        join = _join_being_built(self._join_hook)
-        if join is None:
-            return
-        try:
-            _check_order_and_run_hook_first(join, self._join_hook, config.is_first_joinable)
-        except ValueError:
-            self._join_active = False  # this Join never runs: per-step syncs go back to the metric's own group
-            raise
-
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook ``Join`` runs on a rank that ran out of data (called on every rank when ``Join`` is built)."""
+        """Refuse a plain ``Join``: use :func:`torchmetrics_varlen.join`, which orders the hooks safely."""
+        raise ValueError(
+            f"Expected `{type(self).__name__}` inside `torchmetrics_varlen.join(ddp_model, metric, ...)` but got it"
+            " in a plain `torch.distributed.algorithms.join.Join`. A plain Join runs the hooks in list order, so"
+            " DDP's hook would block before the metric's hook starts shadowing its per-step syncs (the job hangs)."
+            " Replace `Join([ddp_model, metric], **kwargs)` by `torchmetrics_varlen.join(ddp_model, metric, **kwargs)`."
+        )
+
+    def _make_join_hook(self) -> MetricJoinHook:
+        """This metric's hook for :func:`join`; makes the side group on first use (a collective on the world)."""
         if self.sync_grads:
             raise RuntimeError(
                 "Expected `sync_grads=False` for a metric inside `Join` but got True: a rank that ran out of data"
@@ -234,10 +275,10 @@ class JoinableMetric(Joinable):
                 " (DDP then gives 1/world_size of the single-process gradient; scale the loss by the world size)."
             )
         if self._join_group is None:
-            # A collective on the whole world: every rank builds its Join at the same point, so all get here.
+            # A collective on the whole world: every rank builds its join at the same point, so all get here. gloo
+            # whatever the job's backend: the worker thread must not drive a second NCCL communicator.
             ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
-            self._join_group = dist.new_group(ranks=ranks)
-        self._join_active = True
+            self._join_group = dist.new_group(ranks=ranks, backend="gloo")
         self._join_hook = MetricJoinHook(self)  # type: ignore[arg-type]
         return self._join_hook
 
@@ -252,8 +293,181 @@ class JoinableMetric(Joinable):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def _step_sync_group(self, group: Any) -> Any:
-        """Inside Join the per-step syncs move to the join group, and tell Join that this rank still runs."""
+        """Inside ``join`` the per-step syncs move to the join group, and tell Join that this rank still runs."""
         if not self._join_active:
             return group
         Join.notify_join_context(self)
         return self._join_group
+
+
+class _OrderedHook(JoinHook):
+    """The hooks of a :func:`join`: the metrics' main hooks first, the model's post hook first; none raises first."""
+
+    def __init__(self, model_hook: JoinHook | None, metric_hooks: list[MetricJoinHook]) -> None:
+        self.model_hook = model_hook
+        self.metric_hooks = metric_hooks
+
+    def main_hook(self) -> None:
+        for hook in self.metric_hooks:  # they only start a thread: the shadow must run before DDP's hook blocks
+            hook.main_hook()
+        if self.model_hook is not None:
+            self.model_hook.main_hook()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        try:
+            if self.model_hook is not None:  # DDP's final model broadcast: every rank must take part
+                self.model_hook.post_hook(is_last_joiner)
+        finally:
+            for hook in self.metric_hooks:  # they never raise: errors are raised by `join` on exit
+                hook.post_hook(is_last_joiner)
+
+
+class _JoinedGroup(Joinable):
+    """The one joinable :func:`join` hands to ``Join``: the model (first, counts the ranks) and the metrics."""
+
+    def __init__(self, model: Joinable | None, metrics: list[JoinableMetric]) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.hook: _OrderedHook | None = None
+        super().__init__()
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        model_hook = self.model.join_hook(**kwargs) if self.model is not None else None
+        self.hook = _OrderedHook(model_hook, [metric._make_join_hook() for metric in self.metrics])
+        return self.hook
+
+    @property
+    def join_device(self) -> torch.device:
+        return (self.model or self.metrics[0]).join_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return (self.model or self.metrics[0]).join_process_group
+
+    @property
+    def _join_config(self) -> Any:
+        return self.__dict__["_join_config_value"]
+
+    @_join_config.setter
+    def _join_config(self, config: Any) -> None:
+        # What Join would set on each joinable were they listed one by one: the first one (the model, else the
+        # first metric) counts the running ranks; the others' notify is a no-op.
+        self.__dict__["_join_config_value"] = config
+        members: list[Any] = [*([self.model] if self.model is not None else []), *self.metrics]
+        for position, member in enumerate(members):
+            member._join_config = config._replace(is_first_joinable=config.is_first_joinable and position == 0)
+
+
+def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -> "_MetricJoin":
+    """Run a training loop in which ranks may run out of data: ``Join`` with the hooks in a safe order.
+
+    Inside ``with join(ddp_model, metric, ...):`` a rank that ran out of batches leaves its loop; until every rank
+    is done it takes part in DDP's collectives (DDP's own join hook) and in each metric's per-step syncs
+    (``dist_sync_on_step=True``) as a rank with an empty batch, so nothing hangs and every value stays exact.
+
+    Builds :class:`torch.distributed.algorithms.join.Join` with the model as first joinable (it counts the running
+    ranks before its forward collectives), the metrics' hooks before the model's (they start the shadowing thread
+    that DDP's hook waits on) and the model's post hook first (DDP's final model broadcast runs on every rank). On
+    exit, whatever happened, the metrics' per-step syncs go back to their own process group; an error of a shadowing
+    thread is raised once ``Join`` finished. Every rank of the world must enter the same ``join`` (the first one of a
+    metric makes its side process group, a collective on the world). A plain ``Join`` holding a metric of this package
+    raises ``ValueError``.
+
+    Args:
+        model: the first joinable, usually the ``DistributedDataParallel`` model; None, or a metric, for metrics alone.
+        metrics: the metrics (:class:`~torchmetrics_varlen.Metric`) whose per-step syncs are shadowed. A
+            ``MetricCollection`` is not a joinable: list its members.
+        join_kwargs: keyword arguments of ``Join`` (``enable``, ``throw_on_early_termination``) and of the joinables'
+            hooks (``divide_by_initial_world_size`` for DDP).
+
+    Example:
+        Without a process group the block simply runs:
+
+        >>> import torch
+        >>> import torchmetrics_varlen
+        >>> from torchmetrics_varlen.losses import SoftF1Loss
+        >>> loss_fn = SoftF1Loss()
+        >>> with torchmetrics_varlen.join(None, loss_fn):
+        ...     loss = loss_fn(torch.tensor([0.9, 0.2]), torch.tensor([1.0, 0.0]))
+        >>> round(loss.item(), 4)
+        0.1429
+    """
+    return _MetricJoin(model, metrics, join_kwargs)
+
+
+class _MetricJoin:
+    """The context manager :func:`join` returns."""
+
+    def __init__(self, model: Joinable | None, metrics: Sequence[JoinableMetric], join_kwargs: dict[str, Any]) -> None:
+        if isinstance(model, JoinableMetric):  # metrics alone: `join(metric, ...)`
+            metrics = (model, *metrics)
+            model = None
+        for metric in metrics:
+            if not isinstance(metric, JoinableMetric):
+                raise TypeError(
+                    f"Expected every metric of `join` to be a `torchmetrics_varlen.Metric` but got"
+                    f" {type(metric).__name__}. List the members of a MetricCollection; rebase stock metrics first."
+                )
+        if model is not None and not isinstance(model, Joinable):
+            raise TypeError(f"Expected `model` to be a Joinable (a DDP model) or None but got {type(model).__name__}")
+        if model is None and not metrics:
+            raise ValueError("Expected a model or at least one metric in `join` but got neither")
+        self.model = model
+        self.metrics = list(metrics)
+        self.join_kwargs = join_kwargs
+        self._join: Join | None = None
+        self._group: _JoinedGroup | None = None
+
+    def __enter__(self) -> "_MetricJoin":
+        if not (dist.is_available() and dist.is_initialized()):
+            return self  # nothing to shadow: the body runs as it is
+        members: list[Any] = [*([self.model] if self.model is not None else []), *self.metrics]
+        if any(member.join_process_group != members[0].join_process_group for member in members[1:]):
+            raise ValueError(
+                "Expected the model and the metrics of `join` on one process group but got several: Join counts the"
+                " running ranks on one group. Give the metrics the model's `process_group`."
+            )
+        self._group = _JoinedGroup(self.model, self.metrics)
+        try:
+            self._join = Join([self._group], **self.join_kwargs)
+            for metric in self.metrics:  # Join(enable=False) shadows nothing: syncs stay on the metric's group
+                metric._join_active = bool(self.join_kwargs.get("enable", True))
+        except BaseException:
+            self._leave()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._join is None:
+            return
+        try:
+            self._join.__exit__(exc_type, exc, traceback)
+        except BaseException as err:
+            # A collective of Join (or DDP's hook) gave way, most likely because a peer failed and left: if a worker
+            # of ours saw why, that is the error to report. Workers stop at once after a peer's failure record.
+            for hook in self._metric_hooks():
+                hook.settle(_SETTLE_SECONDS)
+            shadow = self._shadow_errors()
+            if shadow:  # a blocked collective gave way because a peer failed: name the first cause
+                raise JoinShadowError(str(shadow[0])) from err
+            raise
+        finally:
+            self._leave()
+        if exc is None:
+            shadow = self._shadow_errors()
+            if shadow:
+                raise shadow[0]
+
+    def _metric_hooks(self) -> list[MetricJoinHook]:
+        hook = self._group.hook if self._group is not None else None
+        return hook.metric_hooks if hook is not None else []
+
+    def _shadow_errors(self) -> list[BaseException]:
+        return [err for hook in self._metric_hooks() for err in hook.errors]
+
+    def _leave(self) -> None:
+        for metric in self.metrics:
+            metric._join_active = False
+            metric._join_config = metric._join_config._replace(enable=False)

@@ -57,10 +57,10 @@ class Metric(StockMetric, JoinableMetric):
       further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
       ``compute()`` decides on the ``compute()`` cache together with the other ranks, so a rank with a stale cache
       cannot leave the others waiting.
-    * **Join.** It is a :class:`~torch.distributed.algorithms.join.Joinable`: inside
-      ``with Join([ddp_model, metric]):`` (or ``Join([metric])``) ranks that ran out of data take part in the
-      per-step syncs (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done. One
-      per-step sync per iteration; ``dist_reduce_fx="mean"`` states would count the empty ranks.
+    * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
+      :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
+      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` holding
+      the metric raises ``ValueError``. ``dist_reduce_fx="mean"`` states would count the empty ranks.
     * **Clear failures.** Ranks syncing different metrics, layouts or phases raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
       :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
