@@ -153,7 +153,9 @@ class _SumCat(tv.Metric):
         self.values.append(x)
 
     def compute(self) -> tuple[Tensor, Tensor]:
-        values = dim_zero_cat(self.values) if self.values else torch.empty(0)
+        # After a sync the list state may be one tensor (stock reduction) or a list; never synced: a list.
+        empty = isinstance(self.values, list) and not self.values
+        values = torch.empty(0) if empty else dim_zero_cat(self.values)
         self.devices = (self.total.device, values.device)
         return self.total, values
 
@@ -254,6 +256,18 @@ def _collection(ctx: _Ctx) -> str:
         _close(name, got[name], value)
         _on(name, got[name], ctx.device)
     return f"MetricCollection of AUROC, AP, accuracy and a count, samples per rank {sizes}: as one process"
+
+
+def _compute_on_rank(ctx: _Ctx) -> str:
+    sizes = _sizes(ctx.world_size, empty=0, base=29)
+    preds, target = _binary(sum(sizes), seed=10)
+    metric = BinaryAUROC(thresholds=None).to(ctx.device)
+    _update(metric, *ctx.local((preds, target), sizes))
+    dst = ctx.world_size - 1
+    got = tv.compute_on_rank(metric, dst=dst)
+    _close("BinaryAUROC", got, binary_auroc(preds, target, thresholds=None))
+    _on("BinaryAUROC", got, ctx.device)
+    return f"compute_on_rank(BinaryAUROC, dst={dst}) (gather + broadcast), samples per rank {sizes}: as one process"
 
 
 def _cpu_states(ctx: _Ctx) -> str:
@@ -482,6 +496,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("uneven-empty-hook", "uneven and empty ranks, stock metric with the hook", _uneven_empty_hook),
     Scenario("uneven-empty-rebased", "uneven and empty ranks, rebased metric and a Metric", _uneven_empty_rebased),
     Scenario("collection", "a MetricCollection of four members", _collection),
+    Scenario("compute-on-rank", "one-rank compute: gather to one rank, broadcast the result", _compute_on_rank),
     Scenario("cpu-states", "compute_on_cpu=True: CPU states over the job group (NCCL on GPUs)", _cpu_states),
     Scenario("device-states-gloo", "CUDA states over a gloo group", _device_states_gloo),
     Scenario("mixed-devices", "states on two devices in one metric", _mixed_devices),
@@ -572,6 +587,8 @@ def _header(ctx: _Ctx) -> str:
 
     if ctx.device.type == "cuda":
         gpus = f"{torch.cuda.device_count()} GPU(s) per node ({torch.cuda.get_device_name(ctx.device)})"
+        if ctx.mode == "shared":
+            gpus += f", ranks sharing {ctx.device} (NCCL needs a GPU per rank: the job group is gloo)"
     else:
         gpus = "CPU only"
     return (
