@@ -85,11 +85,11 @@ def _fails(ctx):
 
 
 def _skips(ctx):
-    raise gpu_check._SkipError("needs a GPU")
+    raise gpu_check.SkipError("needs a GPU")
 
 
 def _notes(ctx):
-    raise gpu_check._NoteError("not reusable")
+    raise gpu_check.NoteError("not reusable")
 
 
 @pytest.mark.parametrize(
