@@ -1,5 +1,10 @@
-"""Developer sessions: ``python -m nox -s tests`` (the CI test command), lint, typecheck, docs, demo, bench, compat."""
+"""Developer sessions: ``python -m nox -s tests`` (the CI test command), lint, typecheck, docs, demo, bench, compat.
 
+``gpu`` (the GPU check) is not a default session: it needs GPUs, which CI does not have.
+"""
+
+import site
+import sys
 from pathlib import Path
 
 import nox
@@ -82,3 +87,46 @@ def compat(session: nox.Session, torchmetrics: str) -> None:
     _install(session, "--upgrade" if torchmetrics == "latest" else "--force-reinstall", "--no-deps", spec)
     session.run("python", "-c", "import torchmetrics; print('torchmetrics', torchmetrics.__version__)")
     session.run("python", "-m", "pytest", "-q", "-x", *session.posargs)
+
+
+@nox.session(venv_params=["--system-site-packages"])
+def gpu(session: nox.Session) -> None:
+    """The GPU check on NCCL with every visible GPU, under torchrun (never run in CI; docs page "Where it runs").
+
+    It must test the torch you train with (a CUDA build), so unlike the other sessions it pins nothing: no
+    ``.ci/constraints.txt`` (that would install the CPU wheel). The session's virtualenv sees the packages of the Python
+    that runs nox: the system site-packages (``--system-site-packages``) and, when nox runs inside a virtualenv or conda
+    environment, that environment's site-packages too (a ``.pth`` file; a venv made from a venv only sees the base
+    interpreter's). pip then finds your torch already installed and adds only this package (editable) and whatever
+    else is missing; nothing is installed into your own environment.
+
+    One process per GPU; with one GPU, two processes sharing it (NCCL needs a GPU per rank, so they run the CUDA
+    states over gloo scenarios). No GPU: it says so and exits 0. Arguments after ``--`` go to the check.
+    """
+    outer = [path for path in [*site.getsitepackages(), site.getusersitepackages()] if Path(path).is_dir()]
+    purelib = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True, log=False
+    )
+    if sys.prefix != sys.base_prefix and isinstance(purelib, str):
+        Path(purelib.strip(), "_nox_outer_site.pth").write_text("".join(f"{path}\n" for path in outer))
+    count = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        gpus = int(str(session.run("python", "-c", count, silent=True, log=False)).strip().splitlines()[-1])
+    except (nox.command.CommandFailed, ValueError):
+        session.skip("torch is not importable from the Python that runs nox: install your CUDA build of torch there")
+    if gpus == 0:
+        session.skip("no CUDA GPU visible to torch: nothing to check on NCCL (the tests run the check with --cpu)")
+    session.install("-e", ".")
+    session.run(
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(max(2, gpus)),
+        "-m",
+        "torchmetrics_varlen.tools.gpu_check",
+        *session.posargs,
+    )

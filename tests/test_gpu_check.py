@@ -1,0 +1,114 @@
+"""The GPU check (``torchmetrics_varlen.tools.gpu_check``) in its CI mode: every scenario's code runs on gloo.
+
+``--cpu`` runs every scenario under ``torchrun`` on 2 gloo CPU processes: each must print PASS, except the ones only a
+GPU can run (SKIP) and the group-after-timeout finding (NOTE where the backend cannot reuse the group). Without
+``--cpu`` and without a GPU the check says so and exits 0, which is what ``nox -s gpu`` relies on here. The rendezvous
+is ``--standalone`` (c10d on a free port, no fixed port) and each run has a hard timeout that kills its whole session.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchmetrics_varlen.tools import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
+MODULE = ["-m", "torchmetrics_varlen.tools.gpu_check"]
+TIMEOUT = 120  # seconds; a healthy --cpu run takes about 25 s on 2 shared cores
+GPU_ONLY = {"mixed-devices"}  # what --cpu cannot stand in for
+FINDINGS = {"group-after-timeout"}  # PASS where the backend can reuse the group, NOTE (a finding) where it cannot
+
+
+def _torchrun(args, tmp_path, **env_overrides):
+    """Run torchrun in a session of its own; on timeout kill that whole session (torchrun and its workers)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path), **env_overrides)
+    proc = subprocess.Popen(
+        [*TORCHRUN, *MODULE, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started: torchrun and its workers
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {TIMEOUT} s\n{stdout[-3000:]}\n{stderr[-5000:]}", pytrace=False)
+    return proc.returncode, stdout, stderr
+
+
+def _verdicts(stdout):
+    """``{scenario: (status, detail)}`` from the lines rank 0 printed."""
+    verdicts = {}
+    for line in stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in {"PASS", "FAIL", "SKIP", "NOTE"}:
+            name, _, detail = rest.strip().partition(" ")
+            assert name not in verdicts, f"{name} printed twice:\n{stdout}"
+            verdicts[name] = (status, detail.strip())
+    return verdicts
+
+
+def test_every_scenario_passes_on_gloo_cpu(tmp_path):
+    code, stdout, stderr = _torchrun(["--cpu"], tmp_path)
+    output = f"{stdout[-4000:]}\n{stderr[-4000:]}"
+    assert code == 0, f"exit {code}\n{output}"
+    verdicts = _verdicts(stdout)
+    assert list(verdicts) == [scenario.name for scenario in gpu_check.SCENARIOS], output
+    for name, (status, detail) in verdicts.items():
+        allowed = {"SKIP"} if name in GPU_ONLY else {"PASS", "NOTE"} if name in FINDINGS else {"PASS"}
+        assert status in allowed, f"{name}: {status} {detail}\n{output}"
+        assert detail, f"{name} printed no detail"
+    assert "names rank 1" in verdicts["missing-rank"][1]
+    assert "no error" in verdicts["late-rank"][1]
+    assert "mode cpu (job group gloo), 2 ranks" in stdout
+    assert "gpu_check: " in stdout.splitlines()[-1] and " 0 failed" in stdout.splitlines()[-1], output
+
+
+def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+    code, stdout, stderr = _torchrun([], tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert code == 0, f"exit {code}\n{stdout}\n{stderr[-3000:]}"
+    assert stdout.count(gpu_check.NO_GPU_MESSAGE) == 1, stdout  # said once, by rank 0
+    assert not _verdicts(stdout)
+
+
+def _fails(ctx):
+    raise AssertionError("got 1 but one process gives 2")
+
+
+def _skips(ctx):
+    raise gpu_check.SkipError("needs a GPU")
+
+
+def _notes(ctx):
+    raise gpu_check.NoteError("not reusable")
+
+
+@pytest.mark.parametrize(
+    ("run", "expected"),
+    [
+        (lambda ctx: "fine", ("PASS", "fine")),
+        (_fails, ("FAIL", "AssertionError: got 1 but one process gives 2")),
+        (_skips, ("SKIP", "needs a GPU")),
+        (_notes, ("NOTE", "not reusable")),
+    ],
+)
+def test_each_outcome_is_reported(run, expected, capsys):
+    assert gpu_check._run_one(None, gpu_check.Scenario("x", "x", run)) == expected
+
+
+def test_one_failing_rank_fails_the_scenario():
+    combine = gpu_check._combine
+    assert combine([("PASS", "a"), ("PASS", "b")]) == ("PASS", "a")
+    assert combine([("PASS", "a"), ("FAIL", "boom")]) == ("FAIL", "rank 1: boom")
+    assert combine([("FAIL", "x"), ("NOTE", "n"), ("FAIL", "y")]) == ("FAIL", "rank 0: x (ranks [0, 2])")
+    assert combine([("PASS", "a"), ("NOTE", "n")]) == ("NOTE", "rank 1: n")
+    assert combine([("SKIP", "gpu"), ("SKIP", "gpu")]) == ("SKIP", "gpu")
