@@ -20,6 +20,7 @@ from torchmetrics_varlen._protocol import (
     ENC_SPLIT,
     KIND_LIST,
     KIND_TENSOR,
+    MAX_NDIM,
     ROUTE_REDUCE,
     SHAPE_WORDS,
     Entry,
@@ -193,17 +194,23 @@ def unpack(
 
 
 def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    """Elements ``[starts[r], starts[r] + counts[r])`` (bytes, elements) of every row, concatenated in rank order."""
-    itemsize = dtype.itemsize
-    ends = starts + counts * itemsize
-    lo, hi = int(starts.min()), int(ends.max())
-    if hi <= lo:
+    """Elements ``[starts[r], starts[r] + counts[r])`` (bytes, elements) of every row, concatenated in rank order.
+
+    One indexing operation over all ranks: the rows are one contiguous buffer, and every section is aligned to its
+    dtype, so each element's place follows from its rank's start. A few ranks are cut out one by one instead (no index
+    tensor to build).
+    """
+    total = int(counts.sum())
+    if total == 0:
         return torch.empty(0, dtype=dtype, device=rows.device)
-    view = rows[:, lo:hi].view(dtype)  # sections and rows are aligned, so this is a view
-    columns = torch.arange(view.shape[1], device=rows.device)
-    first = ((starts - lo) // itemsize).to(rows.device)
-    mask = (columns >= first[:, None]) & (columns < (first + counts.to(rows.device))[:, None])
-    return view[mask]
+    world, width = rows.shape
+    flat = rows.reshape(-1).view(dtype)
+    first = (torch.arange(world, dtype=torch.int64) * width + starts) // dtype.itemsize
+    if world <= 16:
+        return torch.cat([flat[f : f + c] for f, c in zip(first.tolist(), counts.tolist()) if c])
+    before = counts.cumsum(0) - counts  # elements of the ranks before each rank
+    index = torch.repeat_interleave(first - before, counts) + torch.arange(total, dtype=torch.int64)
+    return flat[index.to(rows.device)]
 
 
 def _joined(rows: Tensor, eplan: EntryPlan, device: torch.device) -> Joined | None:
@@ -212,8 +219,7 @@ def _joined(rows: Tensor, eplan: EntryPlan, device: torch.device) -> Joined | No
     if eplan.kind == KIND_LIST:
         if not bool((eplan.items > 0).any()):
             return Joined(None)
-        shapes = _select(rows, eplan.offsets, eplan.items * SHAPE_WORDS, torch.int64).view(-1, SHAPE_WORDS)
-        trailing = _common_trailing(shapes)
+        trailing = _common_trailing(eplan.shapes[eplan.items > 0])  # what each rank's items concatenate to
         data_start = eplan.offsets + eplan.table_bytes
     else:
         nonempty = eplan.numels > 0
@@ -229,6 +235,8 @@ def _joined(rows: Tensor, eplan: EntryPlan, device: torch.device) -> Joined | No
 def _common_trailing(shapes: Tensor) -> tuple[int, ...] | None:
     """The trailing dims ``dim_zero_cat`` gives items of these ``[n, SHAPE_WORDS]`` shapes; None if they differ."""
     ndims = shapes[:, 0]
+    if bool((ndims > MAX_NDIM).any()):
+        return None  # a list whose items do not concatenate (MIXED_ITEMS)
     if bool((ndims <= 1).all()):
         return ()  # scalars and vectors concatenate to a vector
     if not bool((ndims == ndims[0]).all()):

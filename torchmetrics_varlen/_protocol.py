@@ -142,9 +142,29 @@ def describe(
             dtype_code = _DTYPE_CODE[(nonempty or entry)[0].dtype] if entry else 0
             slot[E_KIND], slot[E_DTYPE], slot[E_ITEMS] = KIND_LIST, dtype_code, len(entry)
             slot[E_NUMEL] = sum(t.numel() for t in entry)
+            slot[E_NDIM:] = _item_shape_slots(entry)  # type: ignore[arg-type]  # a list here
         slots.extend(_pack_slot(slot))
     header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry]
     return header + slots
+
+
+MIXED_ITEMS = 15  # the ndim word of a list whose items do not concatenate to one tensor (``_item_shape_slots``)
+
+
+def _item_shape_slots(items: Sequence[Tensor]) -> list[int]:
+    """The shape a list's items concatenate to, as ``dim_zero_cat`` joins them, in the slot's shape words.
+
+    ``[1]`` for scalars and vectors, ``[ndim, 0, *trailing]`` for items that share their trailing dims,
+    ``[MIXED_ITEMS]`` otherwise. It lets every rank join a ``cat`` list of all ranks from the metadata alone, without
+    reading item shape tables.
+    """
+    shapes = {tuple(item.shape) if item.ndim > 1 else () for item in items}
+    if shapes <= {()}:
+        return shape_slots((0,))
+    trailing = {shape[1:] for shape in shapes}
+    if len(trailing) > 1 or () in shapes:
+        return [MIXED_ITEMS] + [0] * MAX_NDIM
+    return shape_slots((0, *trailing.pop()))
 
 
 def _pack_slot(slot: list[int]) -> list[int]:
@@ -344,18 +364,17 @@ def _make_plan(table: Tensor, what: str, ops: Sequence[int] | None, reduce: str,
     world = table.shape[0]
     check_headers(table, what)
     count = int(table[0, H_N])
-    slots = unpack_slots(table[:, HEADER_LEN : HEADER_LEN + count * ENTRY_LEN].reshape(world, count, ENTRY_LEN))
-    shape_part = slots[:, :, E_KIND:E_AUX]  # everything but the auxiliary word decides equality
-    geometry = torch.cat([shape_part, slots[:, :, E_NDIM:]], dim=2)
+    packed = table[:, HEADER_LEN : HEADER_LEN + count * ENTRY_LEN].reshape(world, count, ENTRY_LEN)
+    geometry = packed[:, :, [W_HEAD, W_NUMEL, *range(W_DIMS, ENTRY_LEN)]]  # everything but the auxiliary word
     same = (geometry == geometry[:1]).all(dim=2).all(dim=0).tolist() if count else []
-    first = slots[0].tolist() if count else []
+    first = unpack_slots(packed[0]).tolist() if count else []
     entries: list[EntryPlan] = []
     for index in range(count):
         row = first[index]
         if same[index] and row[E_KIND] == KIND_TENSOR and row[E_NUMEL] > 0:
             entries.append(_dense_entry(tuple(row), world))
-        else:
-            entries.append(_plan_entry(slots[:, index], index, table, what))
+        else:  # only these entries need every rank's slot unpacked
+            entries.append(_plan_entry(unpack_slots(packed[:, index]), index, table, what))
     flags = table[:, H_FLAGS]
     any_graph = bool((flags & FLAG_GRAD).any())
     differentiable = bool((flags & FLAG_DIFF).all()) and (grad == "always" or any_graph)
@@ -374,7 +393,7 @@ def _make_plan(table: Tensor, what: str, ops: Sequence[int] | None, reduce: str,
         nbytes=nbytes,
         max_bytes=int(nbytes.max()) if world else 0,
         flags=table[:, H_FLAGS].clone(),
-        aux=slots[:, :, E_AUX].clone(),
+        aux=packed[:, :, W_AUX].clone(),
         groups=groups,
         reduce_groups=reduce_groups,
         differentiable=differentiable,
@@ -389,7 +408,9 @@ def _route(
         return []
     # A state some ranks share with an earlier entry (a compute group formed on some ranks only) needs the earlier
     # entry's per-rank pieces, which an all-reduce does not keep.
-    shared = {int(ref) for entry in entries if not entry.dense for ref in entry.refs.tolist() if ref >= 0}
+    refs = [entry.refs for entry in entries if not entry.dense]
+    every_ref = torch.cat(refs) if refs else torch.empty(0, dtype=torch.int64)
+    shared = set(every_ref[every_ref >= 0].tolist())
     members: dict[str, list[tuple[int, int, torch.dtype]]] = {"sum": [], "max_float": [], "max_int": []}
     for index, (entry, op) in enumerate(zip(entries, ops, strict=True)):
         eligible = entry.dense and entry.dtype is not None and index not in shared
