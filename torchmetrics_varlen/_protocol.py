@@ -365,8 +365,9 @@ def _make_plan(table: Tensor, what: str, ops: Sequence[int] | None, reduce: str,
     check_headers(table, what)
     count = int(table[0, H_N])
     packed = table[:, HEADER_LEN : HEADER_LEN + count * ENTRY_LEN].reshape(world, count, ENTRY_LEN)
-    geometry = packed[:, :, [W_HEAD, W_NUMEL, *range(W_DIMS, ENTRY_LEN)]]  # everything but the auxiliary word
-    same = (geometry == geometry[:1]).all(dim=2).all(dim=0).tolist() if count else []
+    differs = packed != packed[:1]
+    differs[:, :, W_AUX] = False  # everything but the auxiliary word decides whether an entry is dense
+    same = (~differs.any(dim=2).any(dim=0)).tolist() if count else []
     first = unpack_slots(packed[0]).tolist() if count else []
     entries: list[EntryPlan] = []
     for index in range(count):
