@@ -11,7 +11,7 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, rebase
+from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, rebase
 
 _REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
 
@@ -303,3 +303,34 @@ def test_int64_sums_split_into_float64_halves_are_bit_identical():
     assert torch.equal(_decode(encoded, ENC_SPLIT), torch.stack(ranks).sum(0))
     inverted = torch.stack([_encode(r, ENC_INVERT, torch.int64, torch.device("cpu")) for r in ranks]).max(0).values
     assert torch.equal(_decode(inverted, ENC_INVERT), torch.stack(ranks).min(0).values)
+
+
+def body_late_and_missing(rank, world_size):
+    import time
+
+    metric = rebase(BinaryAccuracy)(sync_timeout=10)
+    metric.update(torch.tensor([0.9, 0.2]), torch.tensor([1, rank % 2]))
+    if rank == world_size - 1:
+        time.sleep(3)  # late by less than the sync timeout: nobody may fail
+    value = metric.compute()
+    metric.update(torch.tensor([0.7]), torch.tensor([1]))
+    before = {name: getattr(metric, name).clone() for name in metric._defaults}
+    if rank == world_size - 1:
+        return {"value": value}  # never arrives at the second sync
+    metric.sync_timeout = 2
+    try:
+        metric.compute()
+    except SyncTimeoutError as err:
+        intact = all(torch.equal(before[name], getattr(metric, name)) for name in before) and not metric._is_synced
+        return {"value": value, "error": str(err), "intact": intact}
+    return {"value": value, "error": None}
+
+
+def test_late_rank_is_waited_for_and_missing_rank_is_named_with_states_intact():
+    results = run_distributed(body_late_and_missing, 2, fresh=True, deadline=60)
+    single = BinaryAccuracy()
+    single.update(torch.tensor([0.9, 0.2, 0.9, 0.2]), torch.tensor([1, 0, 1, 1]))
+    for rank, result in enumerate(results):
+        assert torch.equal(result["value"], single.compute())
+        if rank == 0:
+            assert "Missing: ranks [1]" in result["error"] and result["intact"], result
