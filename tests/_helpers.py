@@ -96,3 +96,37 @@ def assert_same(got, expected, exact=False):
             torch.testing.assert_close(got, expected, equal_nan=True, rtol=1e-5, atol=1e-6)
     else:
         assert got == expected, (got, expected)
+
+
+def run_torchrun(args, timeout, nproc=2, **env_overrides):
+    """``python -m torch.distributed.run --standalone`` (c10d on a free port) in a session of its own.
+
+    Returns ``(returncode, stdout, stderr)``; on timeout the whole session (torchrun and its workers) is killed and
+    the test fails with the output so far.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **env_overrides)
+    proc = subprocess.Popen(
+        [*command, str(nproc), *args],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the process group this call started: torchrun and its workers
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {timeout} s\n{stdout[-3000:]}\n{stderr[-5000:]}", pytrace=False)
+    return proc.returncode, stdout, stderr

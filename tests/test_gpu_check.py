@@ -6,18 +6,14 @@ GPU can run (SKIP) and the group-after-timeout finding (NOTE where the backend c
 is ``--standalone`` (c10d on a free port, no fixed port) and each run has a hard timeout that kills its whole session.
 """
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_torchrun
 
 from torchmetrics_varlen.tools import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
 MODULE = ["-m", "torchmetrics_varlen.tools.gpu_check"]
 TIMEOUT = 120  # seconds; a healthy --cpu run takes about 25 s on 2 shared cores
 GPU_ONLY = {"mixed-devices"}  # what --cpu cannot stand in for
@@ -25,24 +21,8 @@ FINDINGS = {"group-after-timeout"}  # PASS where the backend can reuse the group
 
 
 def _torchrun(args, tmp_path, **env_overrides):
-    """Run torchrun in a session of its own; on timeout kill that whole session (torchrun and its workers)."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path), **env_overrides)
-    proc = subprocess.Popen(
-        [*TORCHRUN, *MODULE, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started: torchrun and its workers
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT} s\n{stdout[-3000:]}\n{stderr[-5000:]}", pytrace=False)
-    return proc.returncode, stdout, stderr
+    env = {"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path), **env_overrides}
+    return run_torchrun([*MODULE, *args], TIMEOUT, **env)
 
 
 def _verdicts(stdout):

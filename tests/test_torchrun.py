@@ -9,38 +9,18 @@ the test instead of stalling the suite.
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
 TIMEOUT = 240  # seconds; a healthy run takes 10-25 s on 2 cores
 
 
 def _torchrun(args):
-    """Run torchrun in a session of its own; on timeout kill that whole session (torchrun and its workers)."""
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(
-        [*TORCHRUN, *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the process group this test started: torchrun and its workers
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT} s\n{stdout[-3000:]}\n{stderr[-5000:]}", pytrace=False)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    returncode, stdout, stderr = run_torchrun(args, TIMEOUT)
+    assert returncode == 0, f"exit {returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
     return stdout
 
 
@@ -49,7 +29,7 @@ def test_lightning_ddp_strategy_under_torchrun(tmp_path):
     from test_lightning import N_VAL, check_fit_results
 
     # UnpaddedDistributedSampler (Lightning's padding sampler is checked in-process by test_lightning.py).
-    out = _torchrun(["--standalone", "tests/test_lightning.py", str(tmp_path)])
+    out = _torchrun(["tests/test_lightning.py", str(tmp_path)])
     written = sorted(tmp_path.glob("rank*.json"))
     assert [path.name for path in written] == ["rank0.json", "rank1.json"], out[-3000:]
     results = [json.loads(path.read_text()) for path in written]

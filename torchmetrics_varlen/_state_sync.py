@@ -103,21 +103,8 @@ def sync_states(
     sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's states carry a graph).
     """
     layout = sync_layout(metrics, phase, values)
-    flags = (_protocol.FLAG_SYNCED if cached else 0) | (_protocol.FLAG_GRAD if layout.graph else 0)
-    flags |= _protocol.FLAG_DIFF if differentiable else 0
-    synced = _engine.run(
-        layout.entries,
-        group,
-        context=layout.context,
-        label=label,
-        timeout=timeout,
-        flags=flags,
-        aux=layout.aux,
-        ops=layout.ops,
-        cat=layout.cat,
-        dst=dst,
-        grad="always" if phase == "step" else "if_graph",
-    )
+    flags = (_protocol.FLAG_SYNCED if cached else 0) | (_protocol.FLAG_DIFF if differentiable else 0)
+    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase)
     assert synced is not None  # no `stop` given
     if synced.plan.all_synced:
         return None
@@ -130,6 +117,34 @@ def sync_states(
     for (index, name), value in zip(layout.keys, reduced):
         out[index][name] = value
     return out
+
+
+def run_layout(
+    layout: Layout,
+    group: Any,
+    *,
+    label: str,
+    timeout: float | None,
+    flags: int = 0,
+    dst: int | None = None,
+    phase: str = "compute",
+    stop: Any = None,
+) -> "_engine.Synced | None":
+    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``)."""
+    return _engine.run(
+        layout.entries,
+        group,
+        context=layout.context,
+        label=label,
+        timeout=timeout,
+        flags=flags | (_protocol.FLAG_GRAD if layout.graph else 0),
+        aux=layout.aux,
+        ops=layout.ops,
+        cat=layout.cat,
+        stop=stop,
+        dst=dst,
+        grad="always" if phase == "step" else "if_graph",
+    )
 
 
 def reduce_results(layout: Layout, synced: "_engine.Synced", names: Sequence[str]) -> list[Any]:

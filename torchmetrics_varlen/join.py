@@ -144,7 +144,7 @@ def _exchange(metric: "Metric", values: dict[str, Any] | None, context: int, lab
     False when ``stop`` (which sees the table as nested lists) ended it after the metadata exchange.
     """
     from torchmetrics_varlen import _engine
-    from torchmetrics_varlen._state_sync import sync_layout
+    from torchmetrics_varlen._state_sync import run_layout, sync_layout
 
     def stop_on(table: Any) -> bool:
         return bool(stop(table.tolist()))
@@ -155,17 +155,8 @@ def _exchange(metric: "Metric", values: dict[str, Any] | None, context: int, lab
         )
         return synced is not None
     layout = sync_layout([metric], "step", [values])
-    synced = _engine.run(
-        layout.entries,
-        metric._join_group,
-        context=layout.context,
-        label=label,
-        timeout=metric.sync_timeout,
-        aux=layout.aux,
-        ops=layout.ops,
-        cat=layout.cat,
-        stop=stop_on,
-        grad="always",
+    synced = run_layout(
+        layout, metric._join_group, label=label, timeout=metric.sync_timeout, phase="step", stop=stop_on
     )
     return synced is not None
 

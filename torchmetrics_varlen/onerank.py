@@ -25,7 +25,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
 from torchmetrics_varlen import _engine, _policy, _protocol, _transport
-from torchmetrics_varlen._state_sync import Layout, reduce_results, sync_layout
+from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, sync_layout
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["compute_on_rank"]
@@ -110,18 +110,8 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _transport.default_timeout()
     layout = sync_layout([metric], phase)
     cached = metric._computed is not None and metric.compute_with_cache
-    synced = _engine.run(
-        layout.entries,
-        group,
-        context=layout.context,
-        label=label,
-        timeout=timeout,
-        flags=_protocol.FLAG_SYNCED if cached else 0,
-        aux=layout.aux,
-        ops=layout.ops,
-        cat=layout.cat,
-        dst=dst,
-    )
+    flags = _protocol.FLAG_SYNCED if cached else 0
+    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst)
     assert synced is not None  # no `stop` given
     if synced.plan.all_synced:
         return metric._computed
