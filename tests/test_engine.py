@@ -259,8 +259,8 @@ def test_soft_f1_loss_is_coalesced_and_epoch_values_carry_no_graph(world_size, e
 class SquaredSum(Metric):
     """A loss over a `cat` state: sum of squares of every rank's values."""
 
-    def __init__(self, **kwargs):
-        super().__init__(dist_sync_on_step=True, sync_grads=True, **kwargs)
+    def __init__(self, sync_grads=True, **kwargs):
+        super().__init__(dist_sync_on_step=True, sync_grads=sync_grads, **kwargs)
         self.add_state("values", default=[], dist_reduce_fx="cat")
 
     def update(self, x):
@@ -270,10 +270,10 @@ class SquaredSum(Metric):
         return (dim_zero_cat(self.values) ** 2).sum() if len(self.values) else torch.tensor(0.0)
 
 
-def body_cat_gradients(rank, world_size, sizes):
+def body_cat_gradients(rank, world_size, sizes, sync_grads=True):
     x = torch.linspace(-1, 1, sizes[rank], dtype=torch.float64).requires_grad_(True)
     with count_collectives() as counts:
-        loss = SquaredSum()(x)
+        loss = SquaredSum(sync_grads=sync_grads)(x)
         loss.backward()
     return {"grad": x.grad, "x": x.detach(), "counts": dict(counts)}
 
@@ -334,3 +334,12 @@ def test_late_rank_is_waited_for_and_missing_rank_is_named_with_states_intact():
         assert torch.equal(result["value"], single.compute())
         if rank == 0:
             assert "Missing: ranks [1]" in result["error"] and result["intact"], result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_cat_state_keeps_the_rank_local_graph_without_sync_grads(world_size):
+    # As stock: this rank's section of the joined state is its own tensor, so the gradient is the local one, 2x.
+    for result in run_distributed(body_cat_gradients, world_size, [4, 0, 3][:world_size], False):
+        if result["x"].numel():
+            torch.testing.assert_close(result["grad"], 2 * result["x"], rtol=0, atol=1e-12)
+        assert sum(result["counts"].values()) == 2, result["counts"]  # no backward collective

@@ -70,7 +70,7 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
     reductions = [metrics[index]._reductions[name] for index, name in keys]
     ops = [_OPS.get(fn, _protocol.OP_NONE) for fn in reductions]
     aux = [metrics[i]._update_count if op == _protocol.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
-    graph = any(isinstance(value, Tensor) and value.requires_grad for value in states)
+    graph = any(_carries_graph(value) if isinstance(value, (Tensor, list)) else False for value in states)
     return Layout(
         keys=keys,
         entries=entries_sharing_objects(states),
@@ -163,8 +163,7 @@ def reduce_results(layout: Layout, synced: "_engine.Synced", names: Sequence[str
             reduced.append(reduced[local.index])
             continue
         own = local if keep_graph and not isinstance(local, Ref) else None
-        dtype = plan.entries[position].dtype
-        reduced.append(reduce_state(result, reduction, op, own, rank, plan, names[position], dtype))
+        reduced.append(reduce_state(result, reduction, op, own, rank, plan, names[position], position))
     return reduced
 
 
@@ -192,15 +191,25 @@ def reduce_state(
     rank: int,
     plan: Plan,
     where: str,
-    dtype: torch.dtype | None = None,
+    index: int,
 ) -> Any:
     """Combine one state's per-rank values the way torchmetrics does after its gather."""
+    dtype = plan.entries[index].dtype
     if isinstance(result, Reduced):
         assert dtype is not None  # a dense entry has one
         value = result.tensor / plan.world_size if op == _protocol.OP_MEAN else result.tensor
         return value.to(_result_dtype(reduction, dtype))
     if isinstance(result, Joined):
-        return result.tensor if result.tensor is not None else []
+        if result.tensor is None:
+            return []
+        if not _carries_graph(own):
+            return result.tensor
+        # This rank's section comes from its own tensors, so their rank-local graph survives, as with stock.
+        numels = plan.entries[index].numels
+        start, stop = int(numels[:rank].sum()), int(numels[: rank + 1].sum())
+        joined = result.tensor
+        mine = dim_zero_cat(own if isinstance(own, list) else [own]).reshape(-1, *joined.shape[1:])  # type: ignore[list-item]
+        return torch.cat([joined[: start // _row(joined)], mine.to(joined.dtype), joined[stop // _row(joined) :]])
     if isinstance(result, Stacked):
         stacked = result.tensor
         if isinstance(own, Tensor) and own.requires_grad:
@@ -231,6 +240,17 @@ def reduce_state(
         )
     stacked = torch.stack(tensors)
     return reduction(stacked) if reduction is not None else stacked
+
+
+def _carries_graph(own: LocalEntry | None) -> bool:
+    if isinstance(own, Tensor):
+        return own.requires_grad
+    return isinstance(own, list) and any(item.requires_grad for item in own)
+
+
+def _row(tensor: Tensor) -> int:
+    """Elements per row (dim 0) of ``tensor``."""
+    return max(1, int(torch.tensor(tensor.shape[1:]).prod())) if tensor.ndim > 1 else 1
 
 
 _MEAN_WARNED: "weakref.WeakKeyDictionary[StockMetric, set[str]]" = weakref.WeakKeyDictionary()
