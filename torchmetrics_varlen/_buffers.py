@@ -104,7 +104,7 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.dev
             assert eplan.offsets is not None and eplan.table_bytes is not None
             offset = int(eplan.offsets[rank])
             items = [entry] if isinstance(entry, Tensor) else entry
-            if eplan.kind == KIND_LIST:
+            if eplan.kind == KIND_LIST and int(eplan.table_bytes[rank]) > 0:
                 shape_table = [slot for item in items for slot in shape_slots(item.shape)]
                 table_view = buffer[offset : offset + len(shape_table) * 8].view(torch.int64)
                 table_view.copy_(torch.tensor(shape_table, dtype=torch.int64))

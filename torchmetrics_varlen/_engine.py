@@ -106,7 +106,7 @@ def run(
         return None
     digest = hashlib.blake2b(table.numpy().tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
-    plan = _protocol.make_plan(table, what, ops, reduce, digest, grad)
+    plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
     if plan.all_synced:
         return Synced(plan, [], rank)
     devices = [entry_device(entry, like) for entry in entries]

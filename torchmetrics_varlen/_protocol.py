@@ -335,6 +335,7 @@ def make_plan(
     reduce: str = "auto",
     digest: bytes | None = None,
     grad: str = "if_graph",
+    cat: Sequence[bool] | None = None,
 ) -> Plan:
     """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike.
 
@@ -345,13 +346,13 @@ def make_plan(
     a graph). ``digest`` identifies the table: a metric synced again and again sends the same table, and a plan
     looked up costs less than one made. Plans are never mutated after this; a table that raises is never cached.
     """
-    key = (digest, tuple(ops or ()), reduce + grad) if digest is not None else None
+    key = (digest, (*(ops or ()), -1, *(cat or ())), reduce + grad) if digest is not None else None
     if key is not None:
         with _PLANS_LOCK:
             plan = _PLANS.get(key)  # type: ignore[arg-type]
         if plan is not None:
             return plan
-    plan = _make_plan(table, what, ops, reduce, grad)
+    plan = _make_plan(table, what, ops, reduce, grad, cat)
     if key is not None:
         with _PLANS_LOCK:
             if len(_PLANS) >= PLAN_CACHE_SIZE:
@@ -360,7 +361,9 @@ def make_plan(
     return plan
 
 
-def _make_plan(table: Tensor, what: str, ops: Sequence[int] | None, reduce: str, grad: str) -> Plan:
+def _make_plan(
+    table: Tensor, what: str, ops: Sequence[int] | None, reduce: str, grad: str, cat: Sequence[bool] | None
+) -> Plan:
     world = table.shape[0]
     check_headers(table, what)
     count = int(table[0, H_N])
@@ -369,13 +372,16 @@ def _make_plan(table: Tensor, what: str, ops: Sequence[int] | None, reduce: str,
     differs[:, :, W_AUX] = False  # everything but the auxiliary word decides whether an entry is dense
     same = (~differs.any(dim=2).any(dim=0)).tolist() if count else []
     first = unpack_slots(packed[0]).tolist() if count else []
+    heads = packed[:, :, W_HEAD]
+    referenced = set((heads >> 12)[(heads & 3) == KIND_REF].tolist())  # their per-rank pieces may be needed
     entries: list[EntryPlan] = []
     for index in range(count):
         row = first[index]
         if same[index] and row[E_KIND] == KIND_TENSOR and row[E_NUMEL] > 0:
             entries.append(_dense_entry(tuple(row), world))
         else:  # only these entries need every rank's slot unpacked
-            entries.append(_plan_entry(unpack_slots(packed[:, index]), index, table, what))
+            joined = bool(cat[index]) and index not in referenced if cat is not None else False
+            entries.append(_plan_entry(unpack_slots(packed[:, index]), index, table, what, joined))
     flags = table[:, H_FLAGS]
     any_graph = bool((flags & FLAG_GRAD).any())
     differentiable = bool((flags & FLAG_DIFF).all()) and (grad == "always" or any_graph)
@@ -502,7 +508,7 @@ def _dense_entry(slot: tuple[int, ...], world: int) -> EntryPlan:
     )
 
 
-def _plan_entry(slots: Tensor, index: int, table: Tensor, what: str) -> EntryPlan:
+def _plan_entry(slots: Tensor, index: int, table: Tensor, what: str, joined: bool = False) -> EntryPlan:
     """An entry whose slots differ between ranks (uneven sizes, empty ranks, lists, shared objects)."""
     kinds = slots[:, E_KIND]
     is_ref = kinds == KIND_REF
@@ -536,6 +542,10 @@ def _plan_entry(slots: Tensor, index: int, table: Tensor, what: str) -> EntryPla
         first = own[nonempty][0].tolist()
         empty_shape = (0, *first[E_DIMS + 1 : E_DIMS + first[E_NDIM]])
     table_bytes = -(-(own[:, E_ITEMS] * SHAPE_WORDS * 8) // ALIGN) * ALIGN if kind == KIND_LIST else own[:, 0] * 0
+    if kind == KIND_LIST and joined and _concatenates(own) and not bool(is_ref.any()):
+        # A `cat` list whose items concatenate alike on every rank is joined from its slots' shape words alone:
+        # no rank sends its item shape table.
+        table_bytes = table_bytes * 0
     return EntryPlan(
         kind=kind,
         dtype=_DTYPES[codes[0] - 1] if codes else None,
@@ -547,6 +557,14 @@ def _plan_entry(slots: Tensor, index: int, table: Tensor, what: str) -> EntryPla
         empty_shape=empty_shape,
         table_bytes=table_bytes,
     )
+
+
+def _concatenates(own: Tensor) -> bool:
+    """The list's items concatenate to one tensor on every rank that holds items, with equal trailing dims."""
+    shapes = own[own[:, E_ITEMS] > 0][:, E_NDIM:]
+    if shapes.shape[0] == 0:
+        return True
+    return bool((shapes[:, 0] <= MAX_NDIM).all()) and bool((shapes == shapes[:1]).all())
 
 
 def dtype_of(code: int) -> torch.dtype | None:

@@ -82,11 +82,11 @@ def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> 
 # ------------------------------------------------------------------------------------------------- metadata
 # Records are as long as the sync needs, but a collective needs one size on every rank, whatever each rank syncs.
 # So each group has an agreed record length, equal on all its ranks because each rank derives it from the tables
-# that all ranks saw: records are sent at that length (room for 32 entries at first, 1.6 KB); when a header (always
+# that all ranks saw: records are sent at that length (room for 30 entries at first, 1.5 KB); when a header (always
 # within it) says that some rank needs more, every rank exchanges again at the longest length, and the group keeps
 # that length from then on. It only grows: a job that alternates a large sync (a collection) with small ones (a
 # per-step metric) pays the second exchange once, not at every large sync.
-INITIAL_WORDS = _protocol.record_words(32)
+INITIAL_WORDS = _protocol.record_words(30)
 MAX_WORDS = _protocol.record_words(1 << 16)  # a larger "need" is not a record of ours: make_plan names the ranks
 _AGREED_WORDS: dict[str, int] = {}
 _SYNC_NUMBERS: dict[str, int] = {}
