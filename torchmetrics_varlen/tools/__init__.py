@@ -1,0 +1,1 @@
+"""Tooling (demo, benchmark, GPU check): never imported by the runtime package."""
