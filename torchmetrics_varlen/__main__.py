@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="samples of the memory case (BinaryAUROC, all-gather vs one-rank compute; default 4M, 0 skips it)",
     )
+    bench.add_argument(
+        "--scale",
+        action="store_true",
+        help="the scale benchmark instead: bytes per rank vs world size, planner time, small-metric latency",
+    )
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"Expected `--world-size` to be at least 1 but got {args.world_size}")
@@ -30,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchmetrics_varlen.demo import main as demo_main
 
         return demo_main(args.world_size)
+    if args.scale:  # its own world sizes (2, 4, 8) and repeats; shares --json, --plot, --table and --quick
+        from torchmetrics_varlen.tools.scale import main as scale_main
+
+        return scale_main(args.json_path, args.plot_path, args.table_path, args.quick)
     from torchmetrics_varlen.bench import main as bench_main
 
     if args.memory_samples is not None and args.memory_samples < 0:

@@ -1,0 +1,162 @@
+"""The scale benchmark without processes: planning time and the bytes a plan implies, for up to 1024 ranks.
+
+Every rank derives the same plan from the ``[world_size, words]`` metadata table, so what a sync moves per rank
+follows from the table alone: the metadata exchange receives ``world_size x`` the agreed record, the padded gather
+``world_size x plan.max_bytes``, each all-reduce its bucket. Stock torchmetrics syncs state by state (a barrier, an
+all-gather of the shape unless the state is 0-d, an all-gather of the state), so its bytes follow from the states'
+sizes. Both models are checked against the bytes measured on real processes where both exist.
+"""
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchmetrics_varlen import _buffers, _protocol, _transport
+from torchmetrics_varlen._protocol import LocalEntry, Plan
+
+Row = dict[str, Any]
+CAT_ENTRIES, DENSE_ENTRIES = 8, 16
+_DENSE_SHAPES = [(), (5,), (5, 5), (10,)]
+_DENSE_DTYPES = [torch.float32, torch.int64, torch.float64, torch.float32]
+_DENSE_OPS = [_protocol.OP_SUM, _protocol.OP_SUM, _protocol.OP_MAX, _protocol.OP_MEAN]
+
+
+def synthetic_entries(rank: int) -> list[LocalEntry]:
+    """Rank ``rank``'s entries: 8 ``cat`` lists of 1-3 float32 items of uneven lengths, then 16 small dense states."""
+    entries: list[LocalEntry] = []
+    for j in range(CAT_ENTRIES):
+        items = 1 + (rank + j) % 3
+        entries.append([torch.ones(10 + (7 * rank + 13 * j + 5 * i) % 50) for i in range(items)])
+    for j in range(DENSE_ENTRIES):
+        entries.append(torch.ones(_DENSE_SHAPES[j % 4], dtype=_DENSE_DTYPES[j % 4]))
+    return entries
+
+
+def synthetic_ops() -> tuple[list[int], list[bool]]:
+    """The reductions (``_protocol.OP_*``) and ``cat`` flags of :func:`synthetic_entries`."""
+    ops = [_protocol.OP_NONE] * CAT_ENTRIES + [_DENSE_OPS[j % 4] for j in range(DENSE_ENTRIES)]
+    return ops, [True] * CAT_ENTRIES + [False] * DENSE_ENTRIES
+
+
+def record_words(entries: int) -> int:
+    """Words of a record as it travels: the group's agreed length, at least the initial one."""
+    return max(_transport.INITIAL_WORDS, _protocol.record_words(entries))
+
+
+def plan_bytes(plan: Plan, entries: int) -> Row:
+    """Per rank: collectives, bytes received and collective buffers that ``plan`` implies (as ``ByteMeter`` counts).
+
+    Example:
+        >>> table = torch.tensor([_protocol.describe([torch.zeros(3)], 1, "x")] * 4)
+        >>> plan_bytes(_protocol.make_plan(table, "x"), 1)["gather"]
+        64
+    """
+    world = plan.world_size
+    words = record_words(entries)
+    metadata = world * words * 8
+    gather = world * plan.max_bytes
+    reduce = sum(group.nbytes for group in plan.reduce_groups)
+    return {
+        "collectives": 1 + (plan.max_bytes > 0) + len(plan.reduce_groups),
+        "metadata": metadata,
+        "gather": gather,
+        "reduce": reduce,
+        "received": metadata + gather + reduce,
+        "buffers": metadata + words * 8 + gather + plan.max_bytes + reduce,
+    }
+
+
+def stock_bytes(states: Sequence[Tensor], world: int) -> Row:
+    """Per rank: what stock torchmetrics' state-by-state sync of equal-shape ``states`` receives on ``world`` ranks.
+
+    Example:
+        >>> stock_bytes([torch.zeros(10, dtype=torch.int64)], 4)["received"]  # shapes (4 x 8) + data (4 x 80)
+        352
+    """
+    received = buffers = collectives = 0
+    for state in states:
+        nbytes = state.numel() * state.element_size()
+        shape = 8 * state.ndim  # an int64 tensor of the shape, gathered first unless the state is 0-d
+        received += world * (shape + nbytes)
+        buffers += (world + 1) * (shape + nbytes)
+        collectives += 2 + (state.ndim > 0)  # barrier, shape gather, data gather
+    return {"collectives": collectives, "received": received, "buffers": buffers}
+
+
+def metric_plan_bytes(metric: Any, world: int) -> Row:
+    """Per rank, ours: the bytes of one sync of ``metric``'s states on ``world`` ranks holding states like these."""
+    from torchmetrics_varlen._state_sync import sync_layout
+
+    layout = sync_layout([metric], "compute")
+    record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux)
+    table = torch.tensor([record] * world, dtype=torch.int64)
+    plan = _protocol.make_plan(table, "scale", layout.ops, "auto")
+    return plan_bytes(plan, len(layout.entries))
+
+
+def time_planner(world: int, runs: int) -> Row:
+    """Median ms of ``make_plan`` (no plan cache) and ``unpack`` over ``world`` synthetic ranks; the plan's bytes."""
+    per_rank = [synthetic_entries(rank) for rank in range(world)]
+    ops, cat = synthetic_ops()
+    context = _protocol.context_hash("synthetic")
+    table = torch.tensor([_protocol.describe(entries, context, "synthetic") for entries in per_rank])
+    plan = _protocol.make_plan(table, "synthetic", ops, "auto")
+    cpu = torch.device("cpu")
+    packed = [_buffers.pack(entries, plan, rank, cpu).clone() for rank, entries in enumerate(per_rank)]
+    rows = torch.stack(packed) if plan.max_bytes else None
+    devices = [cpu] * len(ops)
+    plan_ms: list[float] = []
+    unpack_ms: list[float] = []
+    total_ms: list[float] = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        plan = _protocol.make_plan(table, "synthetic", ops, "auto")
+        middle = time.perf_counter()
+        _buffers.unpack(rows, plan, devices, cat)
+        end = time.perf_counter()
+        plan_ms.append((middle - start) * 1000)
+        unpack_ms.append((end - middle) * 1000)
+        total_ms.append((end - start) * 1000)
+    return {
+        "world_size": world,
+        "plan_ms": statistics.median(plan_ms),
+        "unpack_ms": statistics.median(unpack_ms),
+        "plan_unpack_ms": statistics.median(total_ms),
+        **plan_bytes(plan, len(ops)),
+    }
+
+
+def planner_rows(worlds: Sequence[int], runs: int) -> list[Row]:
+    """:func:`time_planner` for each world size, on one intra-op thread (torchrun's default for several ranks).
+
+    Several intra-op threads on a shared machine made single plans take 15x their usual time now and then.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [time_planner(world, runs) for world in worlds]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def extended_rows(worlds: Sequence[int], quick: bool) -> list[Row]:
+    """Bytes per rank up to large world sizes, from the plan (ours) and stock's per-state protocol (stock).
+
+    For the cases whose states have one shape on every rank (a confusion matrix, FID-like sums, BinaryAccuracy),
+    where both models are exact. The 8-metric collection's ``cat`` states differ by rank: measured only.
+    """
+    from torchmetrics_varlen.tools.scale_procs import build_case, case_names
+
+    rows: list[Row] = []
+    for name in case_names(quick)[1:]:
+        stock = build_case(name, "stock", 0, quick)
+        ours = build_case(name, "varlen", 0, quick)
+        states = [getattr(stock, state) for state in stock._reductions]
+        for world in worlds:
+            rows.append({"case": name, "world_size": world, "side": "stock", **stock_bytes(states, world)})
+            rows.append({"case": name, "world_size": world, "side": "varlen", **metric_plan_bytes(ours, world)})
+    return rows

@@ -1,0 +1,311 @@
+"""The scale benchmark's measurements on real gloo processes: bytes per rank of one sync, and small-metric latency.
+
+Bytes are counted by wrapping the ``torch.distributed`` collectives (:class:`ByteMeter`), for the 8-metric collection,
+a ``MulticlassConfusionMatrix``, a FID-like metric and ``BinaryAccuracy``, stock torchmetrics vs ours; latency is
+one ``BinaryAccuracy`` compute() and sync, ours vs stock vs two raw tiny all-gathers, interleaved. Byte counts are
+exact whatever the machine's load; times are medians on a shared machine: compare within a run.
+"""
+
+import functools
+import inspect
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# The only imports from the other benchmark module (one place, to re-point when it moves).
+from torchmetrics_varlen.bench import _feed_eight, eight_metric_members
+
+Row = dict[str, Any]
+
+# Per collective: the parameter holding what it writes (received) and what it reads (sent). Lists count every item.
+_BUFFERS: dict[str, tuple[str | None, str | None]] = {
+    "all_gather_into_tensor": ("output_tensor", "input_tensor"),
+    "all_gather_single": ("output_tensor", "input_tensor"),
+    "_all_gather_base": ("output_tensor", "input_tensor"),
+    "all_gather": ("tensor_list", "tensor"),
+    "all_reduce": ("tensor", None),  # in place: its one buffer is what it receives
+    "broadcast": ("tensor", None),
+    "gather": ("gather_list", "tensor"),  # received on the destination rank only
+    "reduce": ("tensor", None),
+    "reduce_scatter": ("output", "input_list"),
+    "all_to_all_single": ("output", "input"),
+    "barrier": (None, None),
+}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(item) for item in value)
+    return 0
+
+
+class ByteMeter:
+    """Counts the collectives issued while active, the bytes they receive and the collective buffers they use.
+
+    ``received`` sums each collective's output buffers (an all-gather's ``world_size x`` its input, an all-reduce's
+    buffer, a gather's list on the destination rank). ``buffers`` sums every collective's output and (separate)
+    input buffers over the whole block: an upper bound of the peak collective memory, and what both libraries
+    really hold, since each keeps every received buffer of a sync until it reduces the states. ``largest`` is the
+    largest single collective's output plus input. Calls nested inside another wrapped call count once.
+
+    Example:
+        >>> with ByteMeter() as meter:
+        ...     pass  # a sync here
+        >>> meter.collectives, meter.received
+        (0, 0)
+    """
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.received = 0
+        self.buffers = 0
+        self.largest = 0
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._depth = 0
+
+    def __enter__(self) -> "ByteMeter":
+        for name in _BUFFERS:
+            if hasattr(dist, name):
+                self._originals[name] = original = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, original))
+        return self
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+        out_name, in_name = _BUFFERS[name]
+
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+                out = _nbytes(bound.get(out_name)) if out_name else 0
+                sent = _nbytes(bound.get(in_name)) if in_name else 0
+                self.collectives += 1
+                self.received += out
+                self.buffers += out + sent
+                self.largest = max(self.largest, out + sent)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return measured
+
+    def __exit__(self, *exc: object) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts, as the JSON report stores them."""
+        return {"collectives": self.collectives, "received": self.received, "buffers": self.buffers}
+
+
+# --------------------------------------------------------------------------------------------------- the cases
+def _moments_states(metric: Any, dim: int) -> None:
+    # FID's states for one image set: a feature sum, a sum of outer products and a count (float64 sums).
+    metric.add_state("feature_sum", torch.zeros(dim, dtype=torch.float64), dist_reduce_fx="sum")
+    metric.add_state("cov_sum", torch.zeros(dim, dim, dtype=torch.float64), dist_reduce_fx="sum")
+    metric.add_state("count", torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+
+def _moments_update(metric: Any, features: Tensor) -> None:
+    features = features.double()
+    metric.feature_sum += features.sum(0)
+    metric.cov_sum += features.T @ features
+    metric.count += features.shape[0]
+
+
+def _moments_compute(metric: Any) -> Tensor:
+    mean = metric.feature_sum / metric.count
+    cov = (metric.cov_sum - metric.count * torch.outer(mean, mean)) / (metric.count - 1)
+    return torch.trace(cov)  # a cheap stand-in for FID's matrix square root: the sync is what is measured
+
+
+def fid_like_classes() -> tuple[type, type]:
+    """A FID-like metric (the states of FID's real-image half), as a stock metric and as a ``tv.Metric``.
+
+    Example:
+        >>> stock_cls, ours_cls = fid_like_classes()
+        >>> metric = ours_cls(dim=4)
+        >>> metric.update(torch.ones(3, 4))
+        >>> metric.compute()
+        tensor(0., dtype=torch.float64)
+    """
+    import torchmetrics
+
+    import torchmetrics_varlen as tv
+
+    class StockFeatureMoments(torchmetrics.Metric):
+        def __init__(self, dim: int = 1024, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            _moments_states(self, dim)
+
+        def update(self, features: Tensor) -> None:
+            _moments_update(self, features)
+
+        def compute(self) -> Tensor:
+            return _moments_compute(self)
+
+    class FeatureMoments(tv.Metric):
+        def __init__(self, dim: int = 1024, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            _moments_states(self, dim)
+
+        def update(self, features: Tensor) -> None:
+            _moments_update(self, features)
+
+        def compute(self) -> Tensor:
+            return _moments_compute(self)
+
+    return StockFeatureMoments, FeatureMoments
+
+
+def case_sizes(quick: bool) -> dict[str, int]:
+    """Sizes of the byte cases: confusion matrix classes, FID-like feature dimension, 8-metric samples."""
+    return (
+        {"classes": 100, "features": 64, "samples": 200}
+        if quick
+        else {"classes": 1000, "features": 1024, "samples": 700}
+    )
+
+
+def case_names(quick: bool) -> list[str]:
+    """The byte cases, in table order."""
+    sizes = case_sizes(quick)
+    return [
+        "8-metric collection",
+        f"MulticlassConfusionMatrix({sizes['classes']})",
+        f"FID-like ({sizes['features']} features)",
+        "BinaryAccuracy",
+    ]
+
+
+def build_case(name: str, side: str, rank: int, quick: bool) -> Any:
+    """One side ("stock" or "varlen") of a byte case, fed with this rank's (uneven) data."""
+    from torchmetrics import MetricCollection
+    from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
+
+    import torchmetrics_varlen as tv
+
+    sizes = case_sizes(quick)
+    gen = torch.Generator().manual_seed(rank)
+    names = case_names(quick)
+    if name == names[0]:
+        collection = (MetricCollection if side == "stock" else tv.MetricCollection)(eight_metric_members())
+        _feed_eight(collection, rank, sizes["samples"] + 300 * rank)
+        return collection
+    if name == names[1]:
+        cls = MulticlassConfusionMatrix if side == "stock" else tv.rebase(MulticlassConfusionMatrix)
+        metric = cls(num_classes=sizes["classes"])
+        count = 50 + 20 * rank
+        metric.update(*torch.randint(0, sizes["classes"], (2, count), generator=gen))
+        return metric
+    if name == names[2]:
+        stock_cls, ours_cls = fid_like_classes()
+        metric = (stock_cls if side == "stock" else ours_cls)(dim=sizes["features"])
+        metric.update(torch.randn(16 + 8 * rank, sizes["features"], generator=gen))
+        return metric
+    cls = BinaryAccuracy if side == "stock" else tv.rebase(BinaryAccuracy)
+    metric = cls()
+    metric.update(torch.rand(10 + rank, generator=gen), torch.randint(0, 2, (10 + rank,), generator=gen))
+    return metric
+
+
+def fresh_compute(metric: Any) -> Any:
+    """``compute()`` with a fresh sync: the cached results of the metric (or every member) dropped first."""
+    members = list(metric.values(copy_state=False)) if hasattr(metric, "values") else [metric]
+    for member in members:
+        member._computed = None
+    return metric.compute()
+
+
+def body_bytes(rank: int, world_size: int, quick: bool) -> dict[str, dict[str, dict[str, int]]]:
+    """Per case and side: collectives, bytes received and collective buffers of one compute() on this rank.
+
+    A first compute() is not measured: a group's first large sync may exchange the metadata twice (its record
+    length is agreed once, then kept).
+    """
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for name in case_names(quick):
+        out[name] = {}
+        for side in ("stock", "varlen"):
+            metric = build_case(name, side, rank, quick)
+            fresh_compute(metric)
+            dist.barrier()
+            with ByteMeter() as meter:
+                fresh_compute(metric)
+            out[name][side] = {**meter.as_dict(), "largest": meter.largest}
+    return out
+
+
+def body_latency(rank: int, world_size: int, repeats: int) -> dict[str, float]:
+    """Median ms of one small metric's compute() and sync, stock vs ours, and two raw tiny all-gathers: interleaved."""
+    from torchmetrics.classification import BinaryAccuracy
+
+    import torchmetrics_varlen as tv
+
+    metrics = {}
+    for side, cls in (("stock", BinaryAccuracy), ("varlen", tv.rebase(BinaryAccuracy))):
+        metric = metrics[side] = cls()
+        metric.update(torch.rand(10 + rank), torch.randint(0, 2, (10 + rank,)))
+    tiny = torch.zeros(2, dtype=torch.int64)
+    received = torch.empty(2 * world_size, dtype=torch.int64)
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # what the engine calls
+
+    def floor() -> None:
+        gather(received, tiny)
+        gather(received, tiny)
+
+    def sync_once(metric: Any) -> None:
+        metric.sync()
+        metric.unsync()
+
+    fns: dict[str, Callable[[], Any]] = {"floor": floor}
+    for side, metric in metrics.items():
+        fns[f"{side} compute"] = functools.partial(fresh_compute, metric)
+        fns[f"{side} sync"] = functools.partial(sync_once, metric)
+    return interleaved_medians(fns, repeats)
+
+
+def interleaved_medians(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median ms of each function, the functions taking turns (load changes fall on all alike); one warm-up each."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()  # every rank starts together: the time is the sync, not the stragglers
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def measure_processes(world_sizes: Sequence[int], quick: bool, repeats: int) -> tuple[list[Row], list[Row]]:
+    """The byte rows (per case, world size, side, with per-rank lists) and the latency rows, on gloo processes."""
+    from torchmetrics_varlen._launch import WorkerPool
+
+    byte_rows: list[Row] = []
+    latency_rows: list[Row] = []
+    for world_size in world_sizes:
+        with WorkerPool(world_size, pg_timeout=120.0) as pool:
+            per_rank = pool.run(body_bytes, quick, deadline=600.0)
+            for name in case_names(quick):
+                for side in ("stock", "varlen"):
+                    counts = [ranks[name][side] for ranks in per_rank]
+                    row: Row = {"case": name, "world_size": world_size, "side": side}
+                    for key in ("collectives", "received", "buffers", "largest"):
+                        row[key] = [count[key] for count in counts]
+                    byte_rows.append(row)
+            if world_size <= 4:
+                latency = pool.run(body_latency, repeats, deadline=600.0)[0]
+                latency_rows.append({"world_size": world_size, **latency})
+    return byte_rows, latency_rows
