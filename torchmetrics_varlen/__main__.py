@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1:
         parser.error(f"Expected `--world-size` to be at least 1 but got {args.world_size}")
     if args.command == "demo":
-        from torchmetrics_varlen.demo import main as demo_main
+        from torchmetrics_varlen.tools.demo import main as demo_main
 
         return demo_main(args.world_size)
-    from torchmetrics_varlen.bench import main as bench_main
+    from torchmetrics_varlen.tools.bench import main as bench_main
 
     if args.memory_samples is not None and args.memory_samples < 0:
         parser.error(f"Expected `--memory-samples` to be 0 or more but got {args.memory_samples}")

@@ -1,0 +1,6 @@
+"""Tooling, not runtime: the demo, the benchmark, memory measurement and the spawned gloo worker pool.
+
+``import torchmetrics_varlen`` never imports this subpackage; ``python -m torchmetrics_varlen demo|bench`` (and the
+``torchmetrics-varlen`` script) import it lazily, and the test-suite uses its worker pool. Nothing in the sync code
+depends on it.
+"""
