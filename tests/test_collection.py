@@ -14,7 +14,9 @@ from torchmetrics.classification import (
 )
 
 from torchmetrics_varlen import MetricCollection
-from torchmetrics_varlen.bench import eight_metric_members  # the benchmark's 8-metric case: what it times is checked
+from torchmetrics_varlen.tools.bench import (
+    eight_metric_members,  # the benchmark's 8-metric case: what it times is checked
+)
 
 SIZES = {"uneven": [70, 30, 55], "one_empty": [40, 0, 25], "first_empty": [0, 33, 20]}
 

@@ -160,20 +160,19 @@ def test_empty_shards(world_size):
 
 
 def body_conflicts(rank, world_size):
-    """Sample 0 seen by every rank with a different value (the rank), and twice on rank 0 (10, then 20)."""
+    """Sample 0 seen by every rank with a different value (the rank); with `twice`, rank 0 saw it before as 10."""
     report = {}
     value = torch.tensor([float(rank), 100.0 + rank])
     index = torch.tensor([0, 1 + rank])
-    for rule in ("first", "error"):
-        metric = CatMetric()
-        indexed = IndexedMetric(metric, duplicates=rule)
-        if rank == 0:
+    for rule, twice in (("first", False), ("first", True), ("error", True)):
+        indexed = IndexedMetric(CatMetric(), duplicates=rule)
+        if rank == 0 and twice:
             indexed.update(torch.tensor([10.0]), sample_index=torch.tensor([0]))  # earliest call on the lowest rank
         indexed.update(value, sample_index=index)
         try:
-            report[rule] = indexed.compute()
+            report[rule, twice] = indexed.compute()
         except ValueError as err:
-            report[rule] = str(err)
+            report[rule, twice] = str(err)
     # Non-tensor arguments that differ between ranks are an error on every rank.
     mean = IndexedMetric(MeanMetric())
     mean.update(torch.ones(1), weight=float(rank + 1), sample_index=torch.tensor([rank]))
@@ -187,11 +186,72 @@ def body_conflicts(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_conflicting_duplicates(world_size):
     for report in run_distributed(body_conflicts, world_size):
-        # first wins: lowest rank, earliest call; then samples 1.. in index order.
-        expected = torch.tensor([10.0] + [100.0 + r for r in range(world_size)])
-        assert torch.equal(report["first"], expected)
-        assert "sample index 0" in report["error"] and "duplicates='first'" in report["error"]
+        # first wins: the lowest rank's copy (fewer than world_size copies, one per rank: what padding produces);
+        # then samples 1.. in index order.
+        expected = torch.tensor([0.0] + [100.0 + r for r in range(world_size)])
+        assert torch.equal(report["first", False], expected)
+        # Two different samples under one index on one rank: no sampler does that; refused on every rank.
+        assert isinstance(report["first", True], str), report["first", True]
+        assert "1 on rank 0 repeat an index" in report["first", True] and "dataset indices" in report["first", True]
+        assert "sample index 0" in report["error", True] and "duplicates='first'" in report["error", True]
         assert "identical on every call and every rank" in report["static"]
+
+
+def body_local_indices(rank, world_size, n):
+    """Issue 13 item 11: each rank passes positions within its own shard (0, 1, ...) instead of dataset indices."""
+    data = torch.arange(n, dtype=torch.float32) * 10
+    mine = data[rank::world_size]  # an uneven strided shard
+    outcomes = {}
+    for mistake in (True, False):
+        metric = IndexedMetric(CatMetric())
+        for start in range(0, mine.numel(), 4):
+            batch = mine[start : start + 4]
+            local = torch.arange(start, start + batch.numel())
+            metric.update(batch, sample_index=local if mistake else local * world_size + rank)
+        try:
+            outcomes[mistake] = metric.compute()
+        except ValueError as err:
+            outcomes[mistake] = str(err)
+    return outcomes
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_per_rank_indices_are_refused_not_dropped(world_size):
+    n = 23
+    for outcomes in run_distributed(body_local_indices, world_size, n):
+        # Old behaviour: the first rank's samples kept, about (W-1)/W of the data dropped without a word.
+        assert isinstance(outcomes[True], str), f"expected an error, got {outcomes[True]}"
+        conflicts = n - len(range(0, n, world_size))  # every sample of ranks 1.. collides with one of rank 0
+        assert f"{conflicts} of {n} samples repeat an index" in outcomes[True], outcomes[True]
+        assert f"world_size = {world_size}" in outcomes[True] and "duplicates='first'" in outcomes[True]
+        assert_same(outcomes[False], torch.arange(n, dtype=torch.float32) * 10, exact=True)  # dataset indices: fine
+
+
+def body_noisy_padding(rank, world_size, n):
+    """DistributedSampler padding copies whose values differ slightly (a batch effect): still padding, first wins."""
+    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=3)
+    index = torch.tensor(list(sampler))
+    metric = IndexedMetric(CatMetric())
+    metric.update(index.float() + rank * 1e-3, sample_index=index)
+    return metric.compute()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_padding_copies_with_other_values_are_still_accepted(world_size):
+    n = 3 * world_size + 1  # world_size - 1 padding copies
+    for got in run_distributed(body_noisy_padding, world_size, n):
+        assert got.shape == (n,)
+        torch.testing.assert_close(got, torch.arange(n, dtype=torch.float32), atol=0.01, rtol=0)
+
+
+def test_single_process_repeats():
+    repeated = IndexedMetric(CatMetric())
+    repeated.update(torch.tensor([1.0, 2.0]), sample_index=torch.tensor([0, 1]))
+    repeated.update(torch.tensor([1.0]), sample_index=torch.tensor([0]))  # the same sample again: harmless
+    assert torch.equal(repeated.compute(), torch.tensor([1.0, 2.0]))
+    repeated.update(torch.tensor([5.0]), sample_index=torch.tensor([1]))  # another value under a used index
+    with pytest.raises(ValueError, match=r"1 of 4 samples repeat an index with different values \(1 on rank 0"):
+        repeated.compute()
 
 
 # ------------------------------------------------------------------------------------------- single process

@@ -32,14 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size < 1:
         parser.error(f"Expected `--world-size` to be at least 1 but got {args.world_size}")
     if args.command == "demo":
-        from torchmetrics_varlen.demo import main as demo_main
+        from torchmetrics_varlen.tools.demo import main as demo_main
 
         return demo_main(args.world_size)
     if args.scale:  # its own world sizes (2, 4, 8) and repeats; shares --json, --plot, --table and --quick
         from torchmetrics_varlen.tools.scale import main as scale_main
 
         return scale_main(args.json_path, args.plot_path, args.table_path, args.quick)
-    from torchmetrics_varlen.bench import main as bench_main
+    from torchmetrics_varlen.tools.bench import main as bench_main
 
     if args.memory_samples is not None and args.memory_samples < 0:
         parser.error(f"Expected `--memory-samples` to be 0 or more but got {args.memory_samples}")

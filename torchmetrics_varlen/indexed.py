@@ -1,60 +1,47 @@
-"""``IndexedMetric``: exact evaluation whatever the sampler, by keying every sample with its dataset index."""
+"""``IndexedMetric``: exact evaluation whatever the sampler, by keying every sample with its dataset index.
+
+The class owns the states and wires together the parts in :mod:`torchmetrics_varlen._indexed`: argument capture and
+layout checks (``arguments``), ordering and dedup (``dedup``), replay onto the wrapped metric (``replay``) and the
+one-rank routing of ``compute()`` (``routing``).
+"""
 
 import copy
-import functools
-import inspect
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
-from torchmetrics.utilities.data import dim_zero_cat
 
+from torchmetrics_varlen._indexed import dedup, replay
+from torchmetrics_varlen._indexed.arguments import (
+    INDEX_NAME,
+    ArgumentCapture,
+    check_sample_index,
+    decode_static,
+    distinct_static,
+)
+from torchmetrics_varlen._indexed.routing import route_compute
 from torchmetrics_varlen.metric import Metric
-from torchmetrics_varlen.onerank import one_rank_compute
 
 __all__ = ["IndexedMetric"]
 
-_INDEX_STATE = "sample_index"
+_INDEX_STATE = INDEX_NAME
 _STATIC_STATE = "static_args"
+_UPDATES_STATE = "update_sizes"  # one (rank, samples) row per update: where each sample came from
 _INPUT_PREFIX = "input_"
-_DUPLICATE_RULES = ("first", "error")
 
 
 def _no_process_group() -> bool:
     return False
 
 
-def _cat(value: Any) -> Tensor | None:
-    """A ``cat`` state as one tensor (local list or synced tensor), or None when it holds nothing."""
-    if isinstance(value, Tensor):
-        return value
-    return dim_zero_cat(value) if value else None
-
-
-def _tensor_bytes(tensor: Tensor) -> bytes:
-    """The bytes of a ``uint8`` tensor (which may be a view into a larger transfer buffer)."""
-    return bytes(tensor.detach().cpu().clone().untyped_storage())
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return True
-    if isinstance(value, dict):
-        return any(_holds_tensor(item) for item in value.values())
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return any(_holds_tensor(item) for item in value)
-    return False
-
-
-def _rows_equal(first: Tensor, second: Tensor) -> Tensor:
-    """Per row (dim 0): equal values, NaN equal to NaN."""
-    same = first == second
-    if first.is_floating_point() or first.is_complex():
-        same |= first.isnan() & second.isnan()
-    return same.flatten(1).all(1) if same.ndim > 1 else same
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    """This process's rank and the world size of ``group`` (0 and 1 without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class IndexedMetric(Metric):
@@ -79,7 +66,10 @@ class IndexedMetric(Metric):
     lowest rank, and on that rank from the earliest ``update`` call. The padding copies of ``DistributedSampler`` are
     the same samples, so which one wins does not matter there. With ``duplicates="error"`` every copy is compared with
     the first one (a cheap check on the ordered data) and ``compute()`` raises ``ValueError`` on every rank when two
-    copies of one index carry different values (NaN equals NaN).
+    copies of one index carry different values (NaN equals NaN). ``"first"`` refuses (``ValueError`` on every rank,
+    naming the counts) copies with different values beyond what a padding sampler produces: fewer than
+    ``world_size`` in all, never two on one rank. More than that means per-rank indices were passed (positions within
+    a rank's shard or batch), and keeping the first copy would silently drop most of the data.
 
     The inputs are kept as ``cat`` states, so memory grows with the data set like ``BinaryAUROC(thresholds=None)``
     does; with ``compute_on_rank=r`` only rank ``r`` gathers them (see
@@ -146,8 +136,8 @@ class IndexedMetric(Metric):
         super().__init__(**kwargs)
         if not isinstance(metric, StockMetric):
             raise TypeError(f"Expected `metric` to be a torchmetrics.Metric but got {type(metric).__name__}")
-        if duplicates not in _DUPLICATE_RULES:
-            raise ValueError(f"Expected `duplicates` to be one of {_DUPLICATE_RULES} but got {duplicates!r}")
+        if duplicates not in dedup.RULES:
+            raise ValueError(f"Expected `duplicates` to be one of {dedup.RULES} but got {duplicates!r}")
         if update_batch_size is not None and (
             isinstance(update_batch_size, bool) or not isinstance(update_batch_size, int) or update_batch_size < 1
         ):
@@ -160,20 +150,7 @@ class IndexedMetric(Metric):
             raise ValueError(
                 f"Expected `compute_on_rank` to be a non-negative integer rank or None but got {compute_on_rank!r}"
             )
-        signature = inspect.signature(metric.update)
-        params = list(signature.parameters.values())
-        variadic = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if variadic:
-            raise TypeError(
-                f"Expected the `update` of {type(metric).__name__} to have named parameters only, but it takes"
-                f" {', '.join('*' * (1 + (p.kind == p.VAR_KEYWORD)) + p.name for p in params if p.name in variadic)}:"
-                " IndexedMetric must know every argument in advance to gather it from ranks that hold no data."
-            )
-        if any(p.name == _INDEX_STATE for p in params):
-            raise TypeError(
-                f"The `update` of {type(metric).__name__} has a parameter named `{_INDEX_STATE}`, which IndexedMetric"
-                " reserves for the dataset index."
-            )
+        self._arguments = ArgumentCapture(metric)
         template = copy.deepcopy(metric)
         template.reset()
         template.sync_on_compute = False
@@ -184,16 +161,12 @@ class IndexedMetric(Metric):
         self.duplicates = duplicates
         self.update_batch_size = update_batch_size
         self.compute_on_rank = compute_on_rank
-        self._signature = signature
-        self._input_names = [p.name for p in params]
+        self._input_names = self._arguments.input_names
         for name in self._input_names:
             self.add_state(_INPUT_PREFIX + name, default=[], dist_reduce_fx="cat")
         self.add_state(_INDEX_STATE, default=[], dist_reduce_fx="cat")
+        self.add_state(_UPDATES_STATE, default=[], dist_reduce_fx="cat")
         self.add_state(_STATIC_STATE, default=[], dist_reduce_fx=None)
-        self._layout: tuple[frozenset[str], dict[str, tuple[torch.dtype, tuple[int, ...]]], bytes] | None = None
-
-    def _wrapped_name(self) -> str:
-        return type(self.metric).__name__
 
     # ---------------------------------------------------------------------------------------------------- update
     def update(self, *args: Any, sample_index: Tensor | None = None, **kwargs: Any) -> None:
@@ -205,175 +178,48 @@ class IndexedMetric(Metric):
                 argument).
             kwargs: keyword arguments of the wrapped metric's ``update``.
         """
-        if sample_index is None:
-            raise ValueError(
-                "Expected keyword argument `sample_index` (the dataset index of every sample, a 1-D integer tensor)"
-                " but it was not given"
-            )
-        if (
-            not isinstance(sample_index, Tensor)
-            or sample_index.ndim != 1
-            or sample_index.is_floating_point()
-            or sample_index.is_complex()
-            or sample_index.dtype == torch.bool
-        ):
-            shape = tuple(sample_index.shape) if isinstance(sample_index, Tensor) else type(sample_index).__name__
-            dtype = sample_index.dtype if isinstance(sample_index, Tensor) else "-"
-            raise ValueError(
-                "Expected `sample_index` to be a 1-D integer tensor with one entry per sample but got shape"
-                f" {shape} and dtype {dtype}"
-            )
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as err:
-            raise TypeError(
-                f"Arguments do not match {self._wrapped_name()}.update{self._signature}: {err}"
-                " (pass `sample_index` as a keyword argument)"
-            ) from err
-        samples = sample_index.numel()
-        tensors: dict[str, Tensor] = {}
-        static: dict[str, Any] = {}
-        for name, value in bound.arguments.items():
-            if isinstance(value, Tensor):
-                if value.ndim == 0 or value.shape[0] != samples:
-                    raise ValueError(
-                        f"Expected every tensor argument to have one entry per sample along dim 0 ({samples} samples"
-                        f" in `sample_index`) but `{name}` has shape {tuple(value.shape)}"
-                    )
-                tensors[name] = value
-            elif _holds_tensor(value):
-                raise TypeError(
-                    f"Expected argument `{name}` to be a tensor with one entry per sample, or a value without tensors"
-                    f" that is the same on every call, but got a {type(value).__name__} holding tensors"
-                )
-            else:
-                static[name] = value
-        self._check_layout(tensors, static)
+        index = check_sample_index(sample_index)
+        samples = index.numel()
+        tensors, first_static = self._arguments.split(args, kwargs, samples)
+        if first_static:
+            getattr(self, _STATIC_STATE).append(torch.frombuffer(bytearray(first_static), dtype=torch.uint8))
         if samples == 0:
             return
         for name, value in tensors.items():
             getattr(self, _INPUT_PREFIX + name).append(value.detach())
-        getattr(self, _INDEX_STATE).append(sample_index.detach().to(torch.int64))
-
-    def _check_layout(self, tensors: dict[str, Tensor], static: dict[str, Any]) -> None:
-        """The same tensor arguments (dtype, trailing shape) and the same other arguments on every call."""
-        try:
-            encoded = pickle.dumps(static)
-        except Exception as err:
-            raise TypeError(f"Expected the non-tensor arguments to be picklable but got {static!r}: {err}") from err
-        kinds = {name: (value.dtype, tuple(value.shape[1:])) for name, value in tensors.items() if value.numel() > 0}
-        if self._layout is None:
-            self._layout = (frozenset(tensors), kinds, encoded)
-            getattr(self, _STATIC_STATE).append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-            return
-        names, known, first = self._layout
-        if names != frozenset(tensors):
-            raise ValueError(
-                f"Expected the same tensor arguments on every call but got {sorted(tensors)} after {sorted(names)}"
-            )
-        if encoded != first:
-            raise ValueError(
-                f"Expected the non-tensor arguments to be identical on every call but got {static!r} after"
-                f" {pickle.loads(first)!r}"
-            )
-        for name, kind in kinds.items():
-            seen = known.setdefault(name, kind)
-            if seen != kind:
-                raise ValueError(
-                    f"Expected `{name}` to keep its dtype and trailing shape on every call but got dtype {kind[0]} and"
-                    f" shape (n, {', '.join(map(str, kind[1]))}) after dtype {seen[0]} and shape"
-                    f" (n, {', '.join(map(str, seen[1]))})"
-                )
+        getattr(self, _INDEX_STATE).append(index.detach().to(torch.int64))
+        rank, _ = _rank_and_size(self.process_group)
+        getattr(self, _UPDATES_STATE).append(torch.tensor([[rank, samples]], dtype=torch.int64, device=index.device))
 
     def reset(self) -> None:
         """Clear the stored samples (and the argument layout of the first call)."""
         super().reset()
-        self._layout = None
+        self._arguments.layout = None
 
     def _reduce_states(self, incoming_state: dict[str, Any]) -> None:
         super()._reduce_states(incoming_state)
-        # `forward` adds the non-tensor arguments again at every step: keep each distinct value once.
-        distinct: dict[bytes, Tensor] = {}
-        for item in getattr(self, _STATIC_STATE):
-            distinct.setdefault(_tensor_bytes(item), item)
-        setattr(self, _STATIC_STATE, list(distinct.values()))
+        setattr(self, _STATIC_STATE, distinct_static(getattr(self, _STATIC_STATE)))
 
     # --------------------------------------------------------------------------------------------------- compute
-    def _static_arguments(self) -> dict[str, Any]:
-        encoded = {_tensor_bytes(item) for item in getattr(self, _STATIC_STATE)}
-        if len(encoded) > 1:
-            # Pickled by this job's own ranks (the trust model of torch.distributed's object collectives).
-            values = sorted(repr(pickle.loads(item)) for item in encoded)
-            raise ValueError(
-                "Expected the non-tensor arguments to be identical on every call and every rank but got"
-                f" {', '.join(values)}"
-            )
-        return pickle.loads(encoded.pop()) if encoded else {}  # type: ignore[no-any-return]
-
     def compute(self) -> Any:
         """Order the inputs of all ranks by dataset index, keep each index once, and compute the wrapped metric."""
-        static = self._static_arguments()
-        index = _cat(getattr(self, _INDEX_STATE))
-        inputs: dict[str, Tensor] = {}
+        static = decode_static(getattr(self, _STATIC_STATE))
+        index = replay.as_tensor(getattr(self, _INDEX_STATE))
         samples = 0 if index is None else index.numel()
-        for name in self._input_names:
-            data = _cat(getattr(self, _INPUT_PREFIX + name))
-            if data is None:
-                continue  # an optional argument passed nowhere
-            if data.shape[0] != samples:
-                raise ValueError(
-                    f"Expected `{name}` to be passed with every update on every rank, or never, but it holds"
-                    f" {data.shape[0]} samples while `sample_index` holds {samples}"
-                )
-            inputs[name] = data
-        metric = copy.deepcopy(self.metric)
+        states = {name: getattr(self, _INPUT_PREFIX + name) for name in self._input_names}
+        inputs = replay.gathered_inputs(states, samples)
         if index is None or samples == 0:
-            return metric.compute()  # no data anywhere: as one process that never updated
-        keys, order = torch.sort(index, stable=True)
-        first = torch.ones(samples, dtype=torch.bool, device=keys.device)
-        first[1:] = keys[1:] != keys[:-1]
+            return replay.replay(self.metric, self._arguments.signature, static, {}, None)  # as one process, no data
+        order = dedup.Dedup(index)
         if self.duplicates == "error":
-            self._check_duplicates(keys, order, first, inputs)
-        take = order[first]
+            order.check_all_agree(inputs)
+        else:
+            ranks = dedup.sample_ranks(replay.as_tensor(getattr(self, _UPDATES_STATE)), samples)
+            order.check_padding_like(inputs, ranks, _rank_and_size(self.process_group)[1])
+        take = order.take()
         ordered = {name: data[take.to(data.device)] for name, data in inputs.items()}
         del inputs
-        total = int(take.numel())
-        step = self.update_batch_size or total
-        for start in range(0, total, step):
-            bound = self._signature.bind_partial()
-            bound.arguments.update(static)
-            bound.arguments.update({name: data[start : start + step] for name, data in ordered.items()})
-            metric.update(*bound.args, **bound.kwargs)
-        return metric.compute()
-
-    def _check_duplicates(self, keys: Tensor, order: Tensor, first: Tensor, inputs: dict[str, Tensor]) -> None:
-        if bool(first.all()):
-            return
-        positions = torch.arange(keys.numel(), device=keys.device)
-        group_start = torch.where(first, positions, torch.zeros_like(positions)).cummax(0).values
-        copies = positions[~first]
-        kept = group_start[copies]
-        for name, data in inputs.items():
-            device = data.device
-            same = _rows_equal(data[order[copies].to(device)], data[order[kept].to(device)])
-            if not bool(same.all()):
-                bad = int(torch.nonzero(~same)[0, 0])
-                where = int(copies[bad])
-                raise ValueError(
-                    f"Expected every copy of a sample to carry the same values (duplicates='error') but sample index"
-                    f" {int(keys[where])} has `{name}` = {data[order[kept[bad]].to(device)].tolist()!r} in its first"
-                    f" copy and {data[order[where].to(device)].tolist()!r} in another (from another rank or call)."
-                    " Pass duplicates='first' to keep the first copy."
-                )
+        return replay.replay(self.metric, self._arguments.signature, static, ordered, self.update_batch_size)
 
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
-        every_rank = super()._wrap_compute(compute)
-
-        @functools.wraps(compute)
-        def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
-            dst = getattr(self, "compute_on_rank", None)
-            if dst is None:
-                return every_rank(*args, **kwargs)
-            return one_rank_compute(self, dst, functools.partial(every_rank, *args, **kwargs))
-
-        return wrapped_compute
+        return route_compute(self, super()._wrap_compute(compute), compute)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 # The only imports from the other benchmark module (one place, to re-point when it moves).
-from torchmetrics_varlen.bench import _feed_eight, eight_metric_members
+from torchmetrics_varlen.tools.bench import _feed_eight, eight_metric_members
 
 Row = dict[str, Any]
 
@@ -291,7 +291,7 @@ def interleaved_medians(fns: Mapping[str, Callable[[], Any]], repeats: int) -> d
 
 def measure_processes(world_sizes: Sequence[int], quick: bool, repeats: int) -> tuple[list[Row], list[Row]]:
     """The byte rows (per case, world size, side, with per-rank lists) and the latency rows, on gloo processes."""
-    from torchmetrics_varlen._launch import WorkerPool
+    from torchmetrics_varlen.tools._launch import WorkerPool
 
     byte_rows: list[Row] = []
     latency_rows: list[Row] = []

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_varlen._state_sync import sync_states
-from torchmetrics_varlen.demo import _CollectiveCounter
+from torchmetrics_varlen.tools.demo import _CollectiveCounter
 
 Case = dict[str, Any]
 
@@ -222,7 +222,7 @@ def format_table(rows: list[Case], world_size: int, repeats: int) -> str:
 
 
 def format_memory_table(report: dict[str, Any]) -> str:
-    """Table of :func:`~torchmetrics_varlen._memory.measure_sync_memory`: peak RSS growth per rank and path."""
+    """Table of :func:`~torchmetrics_varlen.tools._memory.measure_sync_memory`: peak RSS growth per rank and path."""
     mib = 1024.0 * 1024.0
     ranks = range(report["world_size"])
     state_mib = max(report["state_bytes"]) / mib
@@ -281,8 +281,8 @@ def main(
     by all-gather and by :func:`~torchmetrics_varlen.compute_on_rank`, peak resident memory per rank. It needs at
     least 2 ranks.
     """
-    from torchmetrics_varlen._launch import WorkerPool
-    from torchmetrics_varlen._memory import measure_sync_memory
+    from torchmetrics_varlen.tools._launch import WorkerPool
+    from torchmetrics_varlen.tools._memory import measure_sync_memory
 
     small_counts = [1, 10, 50] if quick else [1, 5, 10, 25, 50]
     cat_sizes = [200_000, 150_000] if quick else [2_000_000, 1_500_000]

@@ -266,7 +266,7 @@ _MAY_ABORT = ("stock torchmetrics",)
 
 def run_spawned(world_size: int) -> str:
     """Spawn ``world_size`` gloo processes, run every method, return the table."""
-    from torchmetrics_varlen._launch import WorkerError, WorkerPool
+    from torchmetrics_varlen.tools._launch import WorkerError, WorkerPool
 
     rows: dict[str, Row | str] = {}
     with WorkerPool(world_size, pg_timeout=30.0, quiet=True) as pool:

@@ -145,7 +145,7 @@ def measure_sync_memory(
         world_size: number of gloo CPU ranks to spawn.
         n_samples: samples over all ranks.
         dst: the computing rank of the one-rank path.
-        pool: an existing :class:`~torchmetrics_varlen._launch.WorkerPool` of ``world_size`` ranks (or anything
+        pool: an existing :class:`~torchmetrics_varlen.tools._launch.WorkerPool` of ``world_size`` ranks (or anything
             with its ``run`` method) to use instead of spawning one; it is left open.
 
     Returns:
@@ -160,7 +160,7 @@ def measure_sync_memory(
     Example:
         Spawns processes, so not run as a doctest:
 
-        >>> from torchmetrics_varlen._memory import measure_sync_memory
+        >>> from torchmetrics_varlen.tools._memory import measure_sync_memory
         >>> report = measure_sync_memory(world_size=2, n_samples=4_000_000)  # doctest: +SKIP
         >>> report["one_rank"]["max_non_dst_peak_rss_growth_bytes"] < report["all_gather"]["max_peak_rss_growth_bytes"]
         ... # doctest: +SKIP
@@ -174,7 +174,7 @@ def measure_sync_memory(
         raise ValueError(f"Expected `dst` to be a rank in [0, {world_size}) but got {dst!r}")
     own_pool = None
     if pool is None:
-        from torchmetrics_varlen._launch import WorkerPool
+        from torchmetrics_varlen.tools._launch import WorkerPool
 
         pool = own_pool = WorkerPool(world_size, pg_timeout=300.0, quiet=True)
     deadline = 120.0 + n_samples / 20_000
