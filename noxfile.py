@@ -61,7 +61,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Stock torchmetrics vs torchmetrics_varlen, side by side in one run."""
+    """Stock torchmetrics vs torchmetrics_varlen, side by side in one run; then the scale benchmark (bytes vs ranks)."""
     _install(session, ".[bench]")
     session.run(
         "python",
@@ -74,6 +74,20 @@ def bench(session: nox.Session) -> None:
         "docs/_static/bench.png",
         "--table",
         "docs/benchmarks_table.rst",
+        *session.posargs,
+    )
+    session.run(
+        "python",
+        "-m",
+        "torchmetrics_varlen",
+        "bench",
+        "--scale",
+        "--json",
+        "scale.json",
+        "--plot",
+        "docs/_static/scale.png",
+        "--table",
+        "docs/scale_table.rst",
         *session.posargs,
     )
 
