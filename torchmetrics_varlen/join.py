@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from torchmetrics_varlen import _policy, _protocol
+from torchmetrics_varlen import _engine, _policy, _protocol
+from torchmetrics_varlen._state_sync import run_layout, sync_layout
 
 if TYPE_CHECKING:
     from torchmetrics_varlen.metric import Metric
@@ -143,8 +144,6 @@ def _exchange(metric: "Metric", values: dict[str, Any] | None, context: int, lab
 
     False when ``stop`` (which sees the table as nested lists) ended it after the metadata exchange.
     """
-    from torchmetrics_varlen import _engine
-    from torchmetrics_varlen._state_sync import run_layout, sync_layout
 
     def stop_on(table: Any) -> bool:
         return bool(stop(table.tolist()))

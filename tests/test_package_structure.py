@@ -1,0 +1,40 @@
+"""The package's module graph: no import cycles among the modules' top-level imports (one engine, layered)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "torchmetrics_varlen"
+
+
+def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchmetrics_varlen"):
+            parts = node.module.split(".")
+            found.update([parts[1]] if len(parts) > 1 else [alias.name for alias in node.names])
+        elif isinstance(node, ast.Import):
+            found.update(
+                alias.name.split(".")[1] for alias in node.names if alias.name.startswith("torchmetrics_varlen.")
+            )
+    return found & modules
+
+
+def test_no_import_cycles():
+    modules = {path.stem for path in PACKAGE.glob("*.py")} | {"tools"}
+    graph = {path.stem: _top_level_imports(path, modules) for path in PACKAGE.glob("*.py")}
+    assert graph["_engine"] and "gather" not in graph["_engine"]  # the engine does not reach up to the hook
+
+    def visit(module, path):
+        for dependency in graph.get(module, ()):
+            assert dependency not in path, f"import cycle: {' -> '.join([*path, dependency])}"
+            visit(dependency, [*path, dependency])
+
+    for module in graph:
+        visit(module, [module])
+
+
+def test_runtime_modules_never_import_the_tools():
+    modules = {path.stem for path in PACKAGE.glob("*.py")} | {"tools"}
+    for path in PACKAGE.glob("*.py"):
+        if path.stem != "__main__":
+            assert "tools" not in _top_level_imports(path, modules), path.name
