@@ -157,7 +157,7 @@ def body_small_metric_bytes(rank, world_size):
 
 def test_small_metric_whole_sync_is_under_8_kb_on_4_ranks():
     for result in run_distributed(body_small_metric_bytes, 4, fresh=True):
-        assert result["collectives"] == 2
+        assert result["collectives"] == 1  # four int64 sums ride in the records: the metadata exchange is the sync
         assert result["bytes"] <= 8 * 1024, result
 
 

@@ -75,6 +75,7 @@ def run(
     stop: Callable[[Tensor], bool] | None = None,
     dst: int | None = None,
     grad: str = "if_graph",
+    inline: bool = True,
 ) -> Synced | None:
     """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
 
@@ -93,6 +94,7 @@ def run(
         stop: looks at the exchanged table; True ends the sync there (every rank sees the same table).
         dst: gather to this rank only.
         grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_protocol.make_plan``).
+        inline: let small dense data ride in the record (one collective in all when every rank can).
     """
     world = _transport.world_of(group)
     assert world is not None
@@ -100,16 +102,22 @@ def run(
     like = next((t.device for t in iter_tensors(entries)), torch.device("cpu"))
     policy = _policy.policy_for(group, like)
     what = f"sync of {label}"
-    record = _protocol.describe(entries, context, label, flags, aux)
+    inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
+    record = _protocol.describe(entries, context, label, flags, aux, inline)
     table = _transport.exchange_records(record, group, policy.device, timeout, what)
     if stop is not None and stop(table):
         return None
-    digest = hashlib.blake2b(table.numpy().tobytes(), digest_size=32).digest()
+    described = _protocol.record_words(int(table[0, _protocol.H_N])) if table.shape[1] >= _protocol.HEADER_LEN else 0
+    # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
+    digest = hashlib.blake2b(table[:, :described].numpy().tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
     plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
     if plan.all_synced:
         return Synced(plan, [], rank)
     devices = [entry_device(entry, like) for entry in entries]
+    if plan.inline:  # the data came with the records: cut it out of the table
+        rows = table[:, described:].contiguous().view(torch.uint8)
+        return Synced(plan, _buffers.unpack(rows, plan, devices, cat), rank)
     step = _Step(entries, plan, group, rank, policy.device, devices, cat, timeout, what, dst)
     if plan.differentiable:
         return Synced(plan, _DifferentiableStep.run(step), rank)

@@ -43,11 +43,15 @@ LABEL_WORDS = 3  # 24 bytes of the label travel in the record
 
 # Header words.
 H_MAGIC, H_CONTEXT, H_LABEL = 0, 1, 2
-H_FLAGS, H_N, H_ERROR, H_ERROR_ENTRY = (H_LABEL + LABEL_WORDS + i for i in range(4))
-HEADER_LEN = H_ERROR_ENTRY + 1
+H_FLAGS, H_N, H_ERROR, H_ERROR_ENTRY, H_WORDS = (H_LABEL + LABEL_WORDS + i for i in range(5))
+HEADER_LEN = H_WORDS + 1
 FLAG_SYNCED = 1  # this rank's result is cached / already synced: skip the data step if every rank says so
 FLAG_GRAD = 2  # a local state carries a rank-local autograd graph: gather everything, as stock does, to keep it
 FLAG_DIFF = 4  # a differentiable sync (``sync_grads=True`` in grad mode): every rank must agree
+FLAG_INLINE = 8  # the record carries this rank's data after its slots (see ``_inline_words``)
+# A sync of a few small dense states (sums, counts) carries the data in the records themselves: when every rank did
+# so and every state is dense, the metadata exchange is the whole sync, one collective.
+INLINE_MAX_BYTES = 256
 # An entry's slot, as the plan reads it (``unpack_slots``).
 E_KIND, E_DTYPE, E_NUMEL, E_ITEMS, E_AUX, E_NDIM, E_DIMS = 0, 1, 2, 3, 4, 5, 6
 SLOT_LEN = E_DIMS + MAX_NDIM
@@ -118,9 +122,17 @@ def shape_slots(shape: Sequence[int]) -> list[int]:
 
 
 def describe(
-    entries: Sequence[LocalEntry], context: int, label: str, flags: int = 0, aux: Sequence[int] | None = None
+    entries: Sequence[LocalEntry],
+    context: int,
+    label: str,
+    flags: int = 0,
+    aux: Sequence[int] | None = None,
+    inline: bool = False,
 ) -> list[int]:
-    """This rank's metadata record: a header plus one slot per entry (``aux``: one word per entry, or zeros)."""
+    """This rank's metadata record: a header plus one slot per entry (``aux``: one word per entry, or zeros).
+
+    With ``inline``, small dense data rides along after the slots (``FLAG_INLINE``) where it can.
+    """
     error, error_entry = ERR_NONE, -1
     slots: list[int] = []
     for index, entry in enumerate(entries):
@@ -144,8 +156,38 @@ def describe(
             slot[E_NUMEL] = sum(t.numel() for t in entry)
             slot[E_NDIM:] = _item_shape_slots(entry)  # type: ignore[arg-type]  # a list here
         slots.extend(_pack_slot(slot))
-    header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry]
-    return header + slots
+    data = _inline_words(entries) if inline and error == ERR_NONE else None
+    flags |= FLAG_INLINE if data is not None else 0
+    words = record_words(len(entries)) + (len(data) if data is not None else 0)
+    header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry, words]
+    return header + slots + (data or [])
+
+
+def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
+    """This rank's data laid out as the plan lays out dense groups (by dtype, 16-byte aligned), as int64 words.
+
+    None when the entries are not all small non-empty CPU tensors: then the record carries no data.
+    """
+    tensors = [entry for entry in entries if isinstance(entry, Tensor) and entry.numel() > 0]
+    if not tensors or len(tensors) != len(entries):
+        return None
+    if any(t.device.type != "cpu" or t.dtype.itemsize > 8 for t in tensors):
+        return None
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    sizes = [sum(t.numel() for t in group) * dtype.itemsize for dtype, group in groups.items()]
+    total = sum(align(size) for size in sizes)
+    if total > INLINE_MAX_BYTES:
+        return None
+    buffer = torch.zeros(total, dtype=torch.uint8)
+    start = 0
+    with torch.no_grad():
+        for (dtype, group), size in zip(groups.items(), sizes):
+            flat = torch.cat([t.reshape(-1) for t in group])
+            buffer[start : start + size].view(dtype).copy_(flat)
+            start += align(size)
+    return buffer.view(torch.int64).tolist()  # type: ignore[no-any-return]
 
 
 MIXED_ITEMS = 15  # the ndim word of a list whose items do not concatenate to one tensor (``_item_shape_slots``)
@@ -301,6 +343,7 @@ class Plan:
         return bool((self.flags & FLAG_SYNCED).all())
 
     differentiable: bool = False  # the data step runs inside an autograd function (see ``_engine``)
+    inline: bool = False  # every rank's data came in its record (``FLAG_INLINE``): no data step
 
 
 # Moving a reducible group by all-reduce instead of inside the gather saves about (W - 2) x its bytes of traffic per
@@ -383,6 +426,9 @@ def _make_plan(
             joined = bool(cat[index]) and index not in referenced if cat is not None else False
             entries.append(_plan_entry(unpack_slots(packed[:, index]), index, table, what, joined))
     flags = table[:, H_FLAGS]
+    inline = count > 0 and bool((flags & FLAG_INLINE).all()) and all(entry.dense for entry in entries)
+    if inline:
+        reduce = "never"  # the data came with the records: nothing is left to move
     any_graph = bool((flags & FLAG_GRAD).any())
     differentiable = bool((flags & FLAG_DIFF).all()) and (grad == "always" or any_graph)
     if any_graph and not differentiable:
@@ -404,6 +450,7 @@ def _make_plan(
         groups=groups,
         reduce_groups=reduce_groups,
         differentiable=differentiable,
+        inline=inline,
     )
 
 

@@ -104,7 +104,7 @@ def exchange_records(
     note = f"{tag}|{number}|{what}"
     table = _exchange_at(record, words, group, device, timeout, what, note)
     ours = bool((table[:, _protocol.H_MAGIC] == _protocol.MAGIC).all())  # else make_plan raises, naming the ranks
-    needed = _protocol.record_words(int(table[:, _protocol.H_N].max())) if ours else words
+    needed = int(table[:, _protocol.H_WORDS].max()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
         table = _exchange_at(record, needed, group, device, timeout, what, note)
     with _LOCK:

@@ -42,31 +42,32 @@ def synthetic_ops() -> tuple[list[int], list[bool]]:
     return ops, [True] * CAT_ENTRIES + [False] * DENSE_ENTRIES
 
 
-def record_words(entries: int) -> int:
+def record_words(words: int) -> int:
     """Words of a record as it travels: the group's agreed length, at least the initial one."""
-    return max(_transport.INITIAL_WORDS, _protocol.record_words(entries))
+    return max(_transport.INITIAL_WORDS, words)
 
 
-def plan_bytes(plan: Plan, entries: int) -> Row:
+def plan_bytes(plan: Plan, words: int) -> Row:
     """Per rank: collectives, bytes received and collective buffers that ``plan`` implies (as ``ByteMeter`` counts).
 
     Example:
         >>> table = torch.tensor([_protocol.describe([torch.zeros(3)], 1, "x")] * 4)
-        >>> plan_bytes(_protocol.make_plan(table, "x"), 1)["gather"]
+        >>> plan_bytes(_protocol.make_plan(table, "x"), table.shape[1])["gather"]
         64
     """
     world = plan.world_size
-    words = record_words(entries)
+    words = record_words(words)
     metadata = world * words * 8
-    gather = world * plan.max_bytes
+    gather = 0 if plan.inline else world * plan.max_bytes  # inline: the data came with the records
+    max_bytes = 0 if plan.inline else plan.max_bytes
     reduce = sum(group.nbytes for group in plan.reduce_groups)
     return {
-        "collectives": 1 + (plan.max_bytes > 0) + len(plan.reduce_groups),
+        "collectives": 1 + (max_bytes > 0) + len(plan.reduce_groups),
         "metadata": metadata,
         "gather": gather,
         "reduce": reduce,
         "received": metadata + gather + reduce,
-        "buffers": metadata + words * 8 + gather + plan.max_bytes + reduce,
+        "buffers": metadata + words * 8 + gather + max_bytes + reduce,
     }
 
 
@@ -92,10 +93,10 @@ def metric_plan_bytes(metric: Any, world: int) -> Row:
     from torchmetrics_varlen._state_sync import sync_layout
 
     layout = sync_layout([metric], "compute")
-    record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux)
+    record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux, inline=True)
     table = torch.tensor([record] * world, dtype=torch.int64)
     plan = _protocol.make_plan(table, "scale", layout.ops, "auto")
-    return plan_bytes(plan, len(layout.entries))
+    return plan_bytes(plan, len(record))
 
 
 def time_planner(world: int, runs: int) -> Row:
@@ -104,7 +105,7 @@ def time_planner(world: int, runs: int) -> Row:
     ops, cat = synthetic_ops()
     context = _protocol.context_hash("synthetic")
     table = torch.tensor([_protocol.describe(entries, context, "synthetic") for entries in per_rank])
-    plan = _protocol.make_plan(table, "synthetic", ops, "auto")
+    plan = _protocol.make_plan(table, "synthetic", ops, "auto", cat=cat)
     cpu = torch.device("cpu")
     packed = [_buffers.pack(entries, plan, rank, cpu).clone() for rank, entries in enumerate(per_rank)]
     rows = torch.stack(packed) if plan.max_bytes else None
@@ -114,7 +115,7 @@ def time_planner(world: int, runs: int) -> Row:
     total_ms: list[float] = []
     for _ in range(runs):
         start = time.perf_counter()
-        plan = _protocol.make_plan(table, "synthetic", ops, "auto")
+        plan = _protocol.make_plan(table, "synthetic", ops, "auto", cat=cat)
         middle = time.perf_counter()
         _buffers.unpack(rows, plan, devices, cat)
         end = time.perf_counter()
@@ -126,7 +127,7 @@ def time_planner(world: int, runs: int) -> Row:
         "plan_ms": statistics.median(plan_ms),
         "unpack_ms": statistics.median(unpack_ms),
         "plan_unpack_ms": statistics.median(total_ms),
-        **plan_bytes(plan, len(ops)),
+        **plan_bytes(plan, table.shape[1]),
     }
 
 
