@@ -19,8 +19,9 @@ _GRAD_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors(s
 def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: bool = False) -> list[Tensor]:
     """Gather a tensor from every rank, whatever its shape on each rank; a drop-in for torchmetrics' function.
 
-    Pass it as ``dist_sync_fn`` to any torchmetrics metric. It costs one fixed-size metadata exchange and one data
-    exchange (none at all without a process group or in a group of one), never a barrier.
+    Pass it as ``dist_sync_fn`` to any torchmetrics metric. It costs one metadata exchange and one data exchange
+    (one in all for a small tensor of the same shape on every rank, which rides in the metadata; none at all without
+    a process group or in a group of one), never a barrier.
 
     * Shapes may differ along any dimension between ranks, 0-d and zero-size tensors included.
     * A rank without data (any zero-element tensor, such as the ``torch.tensor([])`` that torchmetrics sends for an

@@ -49,8 +49,9 @@ class Metric(StockMetric, JoinableMetric):
     this class instead. Differences from stock torchmetrics:
 
     * **One-shot sync.** All states (tensors and lists, any dtypes, shapes and ``dist_reduce_fx``) travel in one
-      fixed-size metadata exchange and one data exchange, never a barrier. A custom ``dist_sync_fn`` is honoured
-      with the stock per-state path.
+      metadata exchange and one data step (all-reduce for large sums, maxima and minima, one gather for the rest;
+      nothing more for a few small states, which ride in the metadata), never a barrier. A custom ``dist_sync_fn``
+      is honoured with the stock per-state path.
     * **Uneven and empty ranks.** ``cat`` states may differ in length on every rank, a rank may hold nothing, and a
       ``cat`` list empty everywhere stays ``[]`` as on one process.
     * **No double sync.** ``sync()`` holds until ``unsync()``: ``compute()`` in between returns the global value with no

@@ -34,7 +34,7 @@ __all__ = ["compute_on_rank"]
 def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
     """Compute a metric from the states of every rank on rank ``dst`` only, and return the result on every rank.
 
-    Call it on every rank instead of ``metric.compute()``. The states travel to ``dst`` alone (one fixed-size metadata
+    Call it on every rank instead of ``metric.compute()``. The states travel to ``dst`` alone (one metadata
     all-gather, one gather of the data to ``dst``), ``dst`` computes the metric as a normal ``compute()`` would, and
     the result is broadcast, so the other ranks never hold the whole data set: use it for metrics whose states grow
     with the data (``BinaryAUROC(thresholds=None)``, retrieval metrics, ``CatMetric``) on large evaluation sets.
