@@ -90,24 +90,21 @@ def sync_states(
     phase: str,
     label: str,
     timeout: float | None,
-    cached: bool = False,
     values: Sequence[StateDict] | None = None,
     differentiable: bool = False,
     dst: int | None = None,
-) -> list[StateDict] | None:
+) -> list[StateDict]:
     """Gather and reduce the states of ``metrics`` across ``group``.
 
-    Returns one dict of reduced (global) states per metric, or None when every rank reported ``cached`` (then only
-    the metadata was exchanged). With ``dst``, only rank ``dst`` gets the states; the others get ``[]``. The local
-    slot keeps this rank's own tensors, so their rank-local autograd graph survives; with ``differentiable`` the
-    sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's states carry a graph).
+    Returns one dict of reduced (global) states per metric. With ``dst``, only rank ``dst`` gets the states; the
+    others get ``[]``. The local slot keeps this rank's own tensors, so their rank-local autograd graph survives; with
+    ``differentiable`` the sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's
+    states carry a graph).
     """
     layout = sync_layout(metrics, phase, values)
-    flags = (_protocol.FLAG_SYNCED if cached else 0) | (_protocol.FLAG_DIFF if differentiable else 0)
+    flags = _protocol.FLAG_DIFF if differentiable else 0
     synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase)
     assert synced is not None  # no `stop` given
-    if synced.plan.all_synced:
-        return None
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []

@@ -21,7 +21,7 @@ class MetricCollection(StockMetricCollection):
     the states of all members that sync on compute travel together in one metadata and one data exchange (a state
     shared by a compute group is moved once), then each member computes from the global states and gets its local
     states back. Members with a custom ``dist_sync_fn`` or a ``process_group`` of their own sync themselves.
-    When every member's ``compute()`` result is cached on every rank, only the metadata is exchanged.
+    Members whose ``compute()`` result is cached return it without any exchange, as stock ones do.
 
     Args:
         metrics: as for :class:`torchmetrics.MetricCollection`.
@@ -82,16 +82,15 @@ class MetricCollection(StockMetricCollection):
         The members' own ``compute()`` then returns the cached global value: no second sync, and none of the
         per-member sync bookkeeping of torchmetrics (that bookkeeping costs more than the exchange itself).
         """
-        members = self._coalesced_members()
-        cached = all(m._computed is not None for m in members)
+        # Members whose cached result is valid return it with no collective, as stock ones do; when every member's
+        # is, the collection syncs nothing at all (`compute()` on rank 0 only after every rank computed is legal).
+        members = [m for m in self._coalesced_members() if m._computed is None]
         synced: list[dict[str, Any]] | None = None
         if members and _transport.world_of(None) is None:
             # A group of one: nothing to exchange (stock members would still gather with themselves).
-            synced = [{} for _ in members] if not cached else None
+            synced = [{} for _ in members]
         elif members:
-            synced = sync_states(
-                members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout, cached=cached
-            )
+            synced = sync_states(members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout)
         uncached: list[StockMetric] = []
         for metric, states in zip(members, synced or []):
             local = {name: vars(metric)[name] for name in states}

@@ -275,6 +275,8 @@ class JoinableMetric(Joinable):
     @property
     def join_device(self) -> torch.device:
         """Device of the tensors ``Join`` all-reduces to count the ranks that have not joined."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.device  # nothing to count without a process group (TorchScript reads every attribute)
         return _policy.policy_for(self.process_group, self.device).device
 
     @property

@@ -3,7 +3,7 @@
 import functools
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -93,6 +93,16 @@ class Metric(StockMetric, JoinableMetric):
         tensor(0.2500)
     """
 
+    # TorchScript compiles a module's properties unless told not to; ours reach torch.distributed (and exist for Join,
+    # not for scripting), so a scripted metric keeps working exactly where a stock one does.
+    __jit_unused_properties__: ClassVar[list[str]] = [
+        *StockMetric.__jit_unused_properties__,
+        "join_device",
+        "join_process_group",
+        "_join_group",
+        "_join_config",
+    ]
+
     def __init__(self, *, sync_timeout: float | None = None, sync_grads: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("dist_sync_fn", gather_all_tensors)
         super().__init__(**kwargs)
@@ -101,6 +111,13 @@ class Metric(StockMetric, JoinableMetric):
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
         self._init_join()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        base = type(self).__dict__.get("_rebased_from")
+        if base is None:  # a class of its own (a subclass of this class or of a rebased one): pickled by reference
+            return super().__reduce_ex__(protocol)
+        # A rebased class is made at run time and named like its stock base: rebuild it from that base.
+        return _new_rebased, (base,), self.__getstate__()
 
     def __getstate__(self) -> dict[str, Any]:
         return self._join_state_for_pickle(super().__getstate__())
@@ -114,9 +131,9 @@ class Metric(StockMetric, JoinableMetric):
         if not is_coalescing_sync_fn(dist_sync_fn):
             super()._sync_dist(dist_sync_fn, process_group=process_group)
             return
-        self._apply_synced(self._exchange(process_group, cached=False))
+        self._apply_synced(self._exchange(process_group))
 
-    def _exchange(self, process_group: Any, cached: bool) -> StateDict | None:
+    def _exchange(self, process_group: Any) -> StateDict | None:
         group = process_group or self.process_group
         phase = self._sync_phase()
         if phase == "step":
@@ -129,7 +146,6 @@ class Metric(StockMetric, JoinableMetric):
             phase=phase,
             label=label,
             timeout=self.sync_timeout,
-            cached=cached,
             differentiable=differentiable,
         )
         return None if synced is None else synced[0]
@@ -209,30 +225,19 @@ class Metric(StockMetric, JoinableMetric):
                     " which may lead to errors, as metric states have not yet been updated.",
                     UserWarning,
                 )
+            # A valid cache is returned at once, with no collective, as stock does: `compute()` on rank 0 only after
+            # every rank computed is legal. A rank whose cache went stale while the others' stayed valid then waits
+            # alone, and its SyncTimeoutError names that case.
+            if self._computed is not None:
+                return self._computed
             collective = self._to_sync and not self._is_synced and self._distributed()
-            if not collective:
-                # Local states, or states already made global by a manual `sync()`: no exchange at all.
-                if self._computed is not None:
-                    return self._computed
-                value = self._finish(compute(*args, **kwargs))
-                if self.compute_with_cache:
-                    self._computed = value
-                return value
-            # Every rank takes part in the metadata exchange, cached or not, and all agree on whether to skip.
-            cached = self._computed is not None and self.compute_with_cache
-            if is_coalescing_sync_fn(self.dist_sync_fn):
-                local = local_state_copy(self)
-                synced = self._exchange(None, cached=cached)
-                if synced is None:
-                    return self._computed
-                self._cache, self._is_synced = local, True
-                self._apply_synced(synced)
-            else:
-                self.sync(self.dist_sync_fn)
+            if collective:
+                self.sync(self.dist_sync_fn)  # through `_sync_dist`, so a subclass's override is honoured
             try:
                 value = self._finish(compute(*args, **kwargs))
             finally:
-                self.unsync(should_unsync=self._should_unsync)
+                if collective:
+                    self.unsync(should_unsync=self._should_unsync)
             if self.compute_with_cache:
                 self._computed = value
             return value
@@ -242,7 +247,8 @@ class Metric(StockMetric, JoinableMetric):
     @staticmethod
     def _finish(value: Any) -> Any:
         value = _squeeze_if_scalar(value)
-        # Clone so that in-place changes by the caller cannot alter a cached result.
+        # Clone, as stock does, so that in-place changes to the result cannot alter the states it may be (a compute
+        # that returns a state); the cached object is the returned one, as with stock.
         if isinstance(value, Tensor):
             return value.clone()
         if isinstance(value, dict):
@@ -253,31 +259,13 @@ class Metric(StockMetric, JoinableMetric):
 
 
 _M = TypeVar("_M", bound=StockMetric)
-_REBASE_SEARCH = (
-    "torchmetrics",
-    "torchmetrics.classification",
-    "torchmetrics.regression",
-    "torchmetrics.aggregation",
-    "torchmetrics.retrieval",
-    "torchmetrics.clustering",
-    "torchmetrics.nominal",
-)
 
 
-def __getattr__(name: str) -> Any:
-    """Find ``Varlen<Name>`` classes by name (``rebase`` is cached, so this is the same class), for pickle."""
-    if name.startswith("Varlen"):
-        import importlib
-
-        for module_name in _REBASE_SEARCH:
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:
-                continue
-            base = getattr(module, name[len("Varlen") :], None)
-            if isinstance(base, type) and issubclass(base, StockMetric):
-                return rebase(base)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _new_rebased(base: type[StockMetric]) -> StockMetric:
+    """An empty instance of ``rebase(base)``, for unpickling (its state is set next, as for any module)."""
+    cls: type[StockMetric] = rebase(base)
+    instance: StockMetric = object.__new__(cls)
+    return instance
 
 
 @functools.cache
@@ -286,19 +274,27 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
 
     The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only
     the sync changes (one-shot, varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments).
+    Its ``__name__`` and ``__qualname__`` are the stock ones, so collection keys, logged names and ``compute_groups``
+    given by class name stay as they are; its module is ``torchmetrics_varlen.metric``. Instances pickle, deep-copy
+    and ``torch.save`` anywhere the package is importable: they are rebuilt through ``rebase(metric_cls)``.
 
     Args:
         metric_cls: a subclass of :class:`torchmetrics.Metric`.
 
     Returns:
-        ``class Varlen<Name>(metric_cls, torchmetrics_varlen.Metric)``, cached per class. Rebase task-specific classes
-        (``BinaryAUROC``), not the task wrappers (``AUROC``) whose constructor returns another class.
+        ``class <Name>(metric_cls, torchmetrics_varlen.Metric)``, cached per class.
+
+    Raises:
+        TypeError: ``metric_cls`` is not a metric class, or is a task wrapper such as ``AUROC`` or ``Accuracy``, whose
+            constructor returns an instance of another class (``BinaryAUROC``, ...): rebase that class instead.
 
     Example:
         >>> import torch
         >>> from torchmetrics.classification import BinaryAUROC
         >>> from torchmetrics_varlen import Metric, rebase
         >>> VarlenAUROC = rebase(BinaryAUROC)
+        >>> VarlenAUROC.__name__
+        'BinaryAUROC'
         >>> metric = VarlenAUROC(thresholds=None)
         >>> isinstance(metric, BinaryAUROC), isinstance(metric, Metric)
         (True, True)
@@ -310,7 +306,17 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
         raise TypeError(f"Expected `metric_cls` to be a subclass of torchmetrics.Metric but got {metric_cls!r}")
     if issubclass(metric_cls, Metric):
         return metric_cls
-    name = f"Varlen{metric_cls.__name__}"
-    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": metric_cls.__doc__}
-    rebased = type(name, (metric_cls, Metric), namespace)
+    if metric_cls.__new__ is not object.__new__:
+        raise TypeError(
+            f"Expected `metric_cls` to be a metric class but got {metric_cls.__name__}, a task wrapper whose"
+            f" constructor returns an instance of another class (for example Binary{metric_cls.__name__}): rebase"
+            f" that class instead, e.g. `rebase(Binary{metric_cls.__name__})`."
+        )
+    namespace = {
+        "__module__": __name__,
+        "__qualname__": metric_cls.__qualname__,
+        "__doc__": metric_cls.__doc__,
+        "_rebased_from": metric_cls,
+    }
+    rebased = type(metric_cls.__name__, (metric_cls, Metric), namespace)
     return rebased  # type: ignore[return-value]

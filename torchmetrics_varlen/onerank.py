@@ -4,7 +4,7 @@ The protocol is the one of every other sync (see :mod:`torchmetrics_varlen._prot
 replaced by a gather to the destination rank:
 
 1. every rank describes its states and the records are all-gathered, so every rank reaches the same plan, raises the
-   same errors, and skips the data exchange together when every rank's result is cached;
+   same errors;
 2. every rank packs its states into one ``uint8`` buffer of the agreed transfer size, and ``torch.distributed.gather``
    moves the buffers to the destination rank only (the engine's one-rank data step, :mod:`torchmetrics_varlen._engine`);
 3. the destination rank unpacks and reduces the states exactly as a normal sync does, computes, and sends the outcome
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _engine, _policy, _protocol, _transport
+from torchmetrics_varlen import _engine, _policy, _transport
 from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, sync_layout
 from torchmetrics_varlen.metric import Metric
 
@@ -44,8 +44,8 @@ def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
       metric's device, without autograd history.
     * Works with stock torchmetrics metrics and :class:`~torchmetrics_varlen.Metric` subclasses, on uneven and empty
       ranks. The metric's own ``dist_sync_fn`` is not used.
-    * The ``compute()`` cache is honoured: when every rank holds a cached result, only the metadata is exchanged. The
-      result is cached as ``compute()`` would cache it.
+    * The ``compute()`` cache is honoured: a valid cached result is returned at once, with no collective, as
+      ``compute()`` does. The result is cached as ``compute()`` would cache it.
     * An error while computing on ``dst`` is raised on every rank (same type and message), never a hang.
     * Without a process group, in a group of one, with ``sync_on_compute=False``, or on a metric already synced by
       ``sync()``, this is ``metric.compute()``.
@@ -96,6 +96,8 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     _check_dst(dst, world[1] if world is not None else None)
     if world is None or not metric._to_sync or metric._is_synced or not metric.distributed_available_fn():
         return local()
+    if metric._computed is not None and metric.compute_with_cache:
+        return metric._computed  # a valid cache is local, as for compute()
     rank, _ = world
     if not metric.update_called:
         warnings.warn(
@@ -109,9 +111,7 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     label = f"{type(metric).__name__}.{phase}"
     timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _transport.default_timeout()
     layout = sync_layout([metric], phase)
-    cached = metric._computed is not None and metric.compute_with_cache
-    flags = _protocol.FLAG_SYNCED if cached else 0
-    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst)
+    synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
     assert synced is not None  # no `stop` given
     if synced.plan.all_synced:
         return metric._computed
