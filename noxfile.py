@@ -14,6 +14,10 @@ CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))  # pins torch to the
 # 1.0-1.3 skip the gather for an empty `cat` list (ranks issue different collectives);
 # 1.2.0-1.4.0 share `_computed` between the members of a compute group.
 OLDEST_TORCHMETRICS = "1.4.1"
+# The lowest lightning-utilities declared in pyproject.toml, tested with the oldest torchmetrics. torch itself is
+# declared >=2.13: the only release whose CPU wheel these machines install (older ones are multi-GB CUDA builds), so
+# the only one tested; gloo's equal-size all-gather of the protocol is missing from old releases anyway.
+OLDEST_LIGHTNING_UTILITIES = "0.10.0"
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"
@@ -95,11 +99,15 @@ def bench(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("torchmetrics", [OLDEST_TORCHMETRICS, "latest"])
 def compat(session: nox.Session, torchmetrics: str) -> None:
-    """The test-suite against the oldest supported and the newest torchmetrics."""
+    """The test-suite against the oldest supported (with the oldest lightning-utilities) and the newest torchmetrics."""
     _install(session, "-e", ".[test,lightning]")
-    spec = "torchmetrics" if torchmetrics == "latest" else f"torchmetrics=={torchmetrics}"
-    _install(session, "--upgrade" if torchmetrics == "latest" else "--force-reinstall", "--no-deps", spec)
-    session.run("python", "-c", "import torchmetrics; print('torchmetrics', torchmetrics.__version__)")
+    if torchmetrics == "latest":
+        _install(session, "--upgrade", "--no-deps", "torchmetrics", "lightning-utilities")
+    else:
+        specs = (f"torchmetrics=={torchmetrics}", f"lightning-utilities=={OLDEST_LIGHTNING_UTILITIES}")
+        _install(session, "--force-reinstall", "--no-deps", *specs)
+    versions = "import torchmetrics, lightning_utilities as lu; print(torchmetrics.__version__, lu.__version__)"
+    session.run("python", "-c", versions)
     session.run("python", "-m", "pytest", "-q", "-x", *session.posargs)
 
 
