@@ -58,7 +58,7 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Field report 1 replayed: naive vs stock torchmetrics vs torchmetrics_varlen."""
+    """The five field reports replayed: today's way (measured), stock, the fix, the single-process truth."""
     _install(session, ".")
     session.run("python", "-m", "torchmetrics_varlen", "demo", *session.posargs)
 

@@ -8,8 +8,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the demo or the benchmark."""
     parser = argparse.ArgumentParser(prog="torchmetrics-varlen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="replay field report 1: stock vs naive vs torchmetrics_varlen")
+    demo = commands.add_parser("demo", help="replay the five field reports: today's way, stock, ours, the truth")
     demo.add_argument("--world-size", type=int, default=4, help="gloo CPU processes to spawn (default 4)")
+    demo.add_argument("--report", type=int, choices=range(1, 6), default=None, help="run one section (1-5) only")
     bench = commands.add_parser("bench", help="stock torchmetrics vs torchmetrics_varlen sync cost, side by side")
     bench.add_argument("--world-size", type=int, default=2, help="gloo CPU processes to spawn (default 2)")
     bench.add_argument("--repeats", type=int, default=25, help="syncs per case; the median is reported")
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from torchmetrics_varlen.tools.demo import main as demo_main
 
-        return demo_main(args.world_size)
+        return demo_main(args.world_size, args.report)
     if args.scale:  # its own world sizes (2, 4, 8) and repeats; shares --json, --plot, --table and --quick
         from torchmetrics_varlen.tools.scale import main as scale_main
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchmetrics_varlen._state_sync import sync_states
-from torchmetrics_varlen.tools.demo import _CollectiveCounter
+from torchmetrics_varlen.tools.demo._common import CollectiveCounter
 
 Case = dict[str, Any]
 
@@ -36,7 +36,7 @@ def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, 
     for _ in range(repeats):
         for name, fn in fns.items():
             dist.barrier()  # start every rank together so the timing is the sync, not the stragglers
-            with _CollectiveCounter() as counter:
+            with CollectiveCounter() as counter:
                 start = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - start) * 1000)
