@@ -72,7 +72,7 @@ def test_eight_metric_collection_equals_single_process(world_size, scenario, com
         assert_same(result["got"], result["expected"])
         assert_same(result["again"], result["expected"])
         assert result["calls"] == (0 if world_size == 1 else 2)
-        assert result["cached_calls"] == (0 if world_size == 1 else 1)
+        assert result["cached_calls"] == 0  # a valid cache is local, as with stock
 
 
 def body_compute_group_moves_once(rank, world_size):

@@ -309,10 +309,10 @@ def expected_step_values(last_batch):
 EXPECTED_SYNCS = sorted(
     [
         "MetricCollection",
-        "VarlenBinaryAUROC.compute",
+        "BinaryAUROC.compute",
         "MeanSquaredError.compute",
         "SampleCount.compute",
-        "VarlenBinaryAccuracy.compute",
+        "BinaryAccuracy.compute",
         "MeanSquaredError.compute",
     ]
 )

@@ -166,7 +166,7 @@ def body_no_double_sync(rank, world_size):
         report["still_synced"] = metric._is_synced
         metric.unsync()
         report["restored_total"] = metric.total.clone()
-        report["compute_after_unsync"] = metric.compute()  # cached everywhere: metadata only
+        report["compute_after_unsync"] = metric.compute()  # cached: local, no collective (as stock)
         report["after_cached_compute"] = sum(counts.values())
     # sync_context restores local states even when its body raises.
     try:
@@ -191,28 +191,13 @@ def test_manual_sync_holds_and_never_doubles(world_size):
         torch.testing.assert_close(r["compute_while_synced"], r["expected_global"])
         torch.testing.assert_close(r["restored_total"], r["local_total"])
         torch.testing.assert_close(r["compute_after_unsync"], r["expected_global"])
-        assert r["after_cached_compute"] == 3
+        assert r["after_cached_compute"] == 2
         assert r["after_failed_context_synced"] is False
         torch.testing.assert_close(r["after_failed_context_total"], r["local_total"])
 
 
-def body_stale_cache(rank, world_size):
-    metric = SumOfSquares()
-    metric.update(torch.ones(rank + 1))
-    first = metric.compute()
-    if rank == world_size - 1:
-        metric.update(torch.ones(3))  # only the last rank's cache goes stale
-    with count_collectives() as counts:
-        second = metric.compute()
-    reference = sum(r + 1 for r in range(world_size)) + 3.0
-    return {"first": first, "second": second, "reference": reference, "calls": sum(counts.values())}
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_stale_cache_on_one_rank_does_not_hang(world_size):
-    for r in run_distributed(body_stale_cache, world_size, deadline=60):
-        assert r["second"].item() == r["reference"]
-        assert r["calls"] == 2
+# A stale cache on one rank while the others' is valid: tests/test_dropin.py (SyncTimeoutError naming the case; a
+# valid cache is local with no collective, as with stock, so the others no longer wait for the stale rank).
 
 
 class GlobalBatchMean(Metric):
@@ -311,7 +296,7 @@ def test_rebased_metric_unpickles_in_a_fresh_process(tmp_path):
     code = f"import pickle; m = pickle.load(open({str(path)!r}, 'rb')); print(type(m).__name__, m.compute().item())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [
-        "VarlenBinaryAUROC",
+        "BinaryAUROC",
         str(BinaryAUROC(thresholds=None)(torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1])).item()),
     ]
 

@@ -9,7 +9,7 @@ from torchmetrics import MetricCollection as StockMetricCollection
 
 from torchmetrics_varlen import _transport
 from torchmetrics_varlen._state_sync import sync_states
-from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn, resolve_timeout
+from torchmetrics_varlen.metric import Metric, explain_stale_cache, is_coalescing_sync_fn, resolve_timeout
 
 __all__ = ["MetricCollection"]
 
@@ -21,7 +21,7 @@ class MetricCollection(StockMetricCollection):
     the states of all members that sync on compute travel together in one metadata and one data exchange (a state
     shared by a compute group is moved once), then each member computes from the global states and gets its local
     states back. Members with a custom ``dist_sync_fn`` or a ``process_group`` of their own sync themselves.
-    When every member's ``compute()`` result is cached on every rank, only the metadata is exchanged.
+    When every member's ``compute()`` result is cached on this rank, nothing is exchanged, as with stock members.
 
     Args:
         metrics: as for :class:`torchmetrics.MetricCollection`.
@@ -70,6 +70,7 @@ class MetricCollection(StockMetricCollection):
             if metric._to_sync
             and not metric._is_synced
             and is_coalescing_sync_fn(metric.dist_sync_fn)
+            and type(metric)._sync_dist in (StockMetric._sync_dist, Metric._sync_dist)  # an override syncs itself
             and metric.process_group is None
             and metric._defaults
             and metric.distributed_available_fn()
@@ -83,15 +84,17 @@ class MetricCollection(StockMetricCollection):
         per-member sync bookkeeping of torchmetrics (that bookkeeping costs more than the exchange itself).
         """
         members = self._coalesced_members()
-        cached = all(m._computed is not None for m in members)
         synced: list[dict[str, Any]] | None = None
-        if members and _transport.world_of(None) is None:
+        if all(m._computed is not None for m in members):
+            pass  # every cache valid here: local, no collective (as each stock member's own compute() would be)
+        elif _transport.world_of(None) is None:
             # A group of one: nothing to exchange (stock members would still gather with themselves).
-            synced = [{} for _ in members] if not cached else None
-        elif members:
-            synced = sync_states(
-                members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout, cached=cached
-            )
+            synced = [{} for _ in members]
+        else:
+            with explain_stale_cache("this collection"):
+                synced = sync_states(
+                    members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout
+                )
         uncached: list[StockMetric] = []
         for metric, states in zip(members, synced or []):
             local = {name: vars(metric)[name] for name in states}

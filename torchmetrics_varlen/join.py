@@ -233,6 +233,8 @@ class JoinableMetric(Joinable):
     @property
     def join_device(self) -> torch.device:
         """Device of the tensors ``Join`` all-reduces to count the ranks that have not joined."""
+        if not dist.is_initialized():
+            return self.device  # no Join without a process group; TorchScript reads every property while scripting
         return _transport.transport_device(self.process_group, self.device)
 
     @property

@@ -1,11 +1,13 @@
 """``torchmetrics_varlen.Metric``: a torchmetrics base class whose sync is coalesced, varlen-safe and never doubled."""
 
 import functools
+import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities import distributed as _tm_distributed
@@ -14,6 +16,7 @@ from torchmetrics.utilities.prints import rank_zero_warn
 
 from torchmetrics_varlen import _transport
 from torchmetrics_varlen._state_sync import StateDict, sync_states
+from torchmetrics_varlen.errors import SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.join import JoinableMetric
 
@@ -36,6 +39,19 @@ def resolve_timeout(sync_timeout: float | None) -> float | None:
     return float(sync_timeout) if sync_timeout > 0 else None
 
 
+@contextmanager
+def explain_stale_cache(what: str) -> Generator[None, None, None]:
+    """Add the stale-cache case to a ``SyncTimeoutError`` of a ``compute()`` sync: the others may have skipped it."""
+    try:
+        yield
+    except SyncTimeoutError as error:
+        raise SyncTimeoutError(
+            f"{error}\nIf the other ranks had already computed {what} and not updated it since, their compute()"
+            " returned its cached value without a sync (as stock torchmetrics does), while this rank's cache was stale"
+            " (update() or reset() called after its last compute()): call update()/reset() on every rank alike."
+        ) from error
+
+
 def local_state_copy(metric: StockMetric) -> StateDict:
     """The states as they are now; lists are copied so that a compute appending to them cannot alter the cache."""
     states = {name: getattr(metric, name) for name in metric._defaults}
@@ -55,8 +71,8 @@ class Metric(StockMetric, JoinableMetric):
       ``cat`` list empty everywhere stays ``[]`` as on one process.
     * **No double sync.** ``sync()`` holds until ``unsync()``: ``compute()`` in between returns the global value with no
       further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
-      ``compute()`` decides on the ``compute()`` cache together with the other ranks, so a rank with a stale cache
-      cannot leave the others waiting.
+      A valid ``compute()`` cache is returned locally with no collective, as with stock; a rank whose cache is stale
+      while the others' is valid gets a :class:`~torchmetrics_varlen.SyncTimeoutError` naming that case.
     * **Join.** It is a :class:`~torch.distributed.algorithms.join.Joinable`: inside
       ``with Join([ddp_model, metric]):`` (or ``Join([metric])``) ranks that ran out of data take part in the
       per-step syncs (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done. One
@@ -92,6 +108,15 @@ class Metric(StockMetric, JoinableMetric):
         tensor(0.2500)
     """
 
+    # Properties TorchScript must not compile (it compiles every property of a scripted module), as stock lists its own.
+    __jit_unused_properties__: ClassVar[list[str]] = [
+        *StockMetric.__jit_unused_properties__,
+        "_join_group",
+        "_join_config",
+        "join_device",
+        "join_process_group",
+    ]
+
     def __init__(self, *, sync_timeout: float | None = None, sync_grads: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("dist_sync_fn", gather_all_tensors)
         super().__init__(**kwargs)
@@ -103,6 +128,13 @@ class Metric(StockMetric, JoinableMetric):
 
     def __getstate__(self) -> dict[str, Any]:
         return self._join_state_for_pickle(super().__getstate__())
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A class made by `rebase` is not importable by its name: rebuild it from its stock base, which is.
+        base = type(self).__dict__.get("_varlen_base")
+        if base is None:
+            return super().__reduce_ex__(protocol)
+        return _new_rebased, (base,), self.__getstate__()
 
     # ----------------------------------------------------------------------------------------------------- sync
     def _sync_phase(self) -> str:
@@ -201,26 +233,26 @@ class Metric(StockMetric, JoinableMetric):
                     " which may lead to errors, as metric states have not yet been updated.",
                     UserWarning,
                 )
+            if self._computed is not None:
+                # A valid cache is local, as with stock (`if rank == 0: print(metric.compute())` after every rank
+                # computed): no collective.
+                return self._computed
             collective = self._to_sync and not self._is_synced and self._distributed()
             if not collective:
                 # Local states, or states already made global by a manual `sync()`: no exchange at all.
-                if self._computed is not None:
-                    return self._computed
                 value = self._finish(compute(*args, **kwargs))
                 if self.compute_with_cache:
                     self._computed = value
                 return value
-            # Every rank takes part in the metadata exchange, cached or not, and all agree on whether to skip.
-            cached = self._computed is not None and self.compute_with_cache
-            if is_coalescing_sync_fn(self.dist_sync_fn) and not (self.sync_grads and torch.is_grad_enabled()):
-                local = local_state_copy(self)
-                synced = self._exchange(None, cached=cached)
-                if synced is None:
-                    return self._computed
-                self._cache, self._is_synced = local, True
-                self._apply_synced(synced)
-            else:
-                self.sync(self.dist_sync_fn)
+            with explain_stale_cache(type(self).__name__):
+                if self._own_sync_path() and not (self.sync_grads and torch.is_grad_enabled()):
+                    local = local_state_copy(self)
+                    synced = self._exchange(None, cached=False)
+                    self._cache, self._is_synced = local, True
+                    self._apply_synced(synced)
+                else:
+                    # A custom gather, `sync_grads`, or a subclass's own `_sync_dist` (it is honoured, as by stock).
+                    self.sync(self.dist_sync_fn)
             try:
                 value = self._finish(compute(*args, **kwargs))
             finally:
@@ -231,60 +263,54 @@ class Metric(StockMetric, JoinableMetric):
 
         return wrapped_compute
 
+    def _own_sync_path(self) -> bool:
+        """Whether ``compute()`` may exchange directly: the coalescing gather and no ``_sync_dist`` of a subclass."""
+        return is_coalescing_sync_fn(self.dist_sync_fn) and type(self)._sync_dist is Metric._sync_dist
+
     @staticmethod
     def _finish(value: Any) -> Any:
-        value = _squeeze_if_scalar(value)
-        # Clone so that in-place changes by the caller cannot alter a cached result.
-        if isinstance(value, Tensor):
-            return value.clone()
-        if isinstance(value, dict):
-            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(v.clone() if isinstance(v, Tensor) else v for v in value)
-        return value
+        # As stock: clone so that the result shares no memory with the states (a compute may return a state, which
+        # later updates change in place). The cached object is the one returned, as with stock.
+        return apply_to_collection(_squeeze_if_scalar(value), Tensor, lambda tensor: tensor.clone())
 
 
 _M = TypeVar("_M", bound=StockMetric)
-_REBASE_SEARCH = (
-    "torchmetrics",
-    "torchmetrics.classification",
-    "torchmetrics.regression",
-    "torchmetrics.aggregation",
-    "torchmetrics.retrieval",
-    "torchmetrics.clustering",
-    "torchmetrics.nominal",
-)
 
 
-def __getattr__(name: str) -> Any:
-    """Find ``Varlen<Name>`` classes by name (``rebase`` is cached, so this is the same class), for pickle."""
-    if name.startswith("Varlen"):
-        import importlib
+def _new_rebased(base: type[StockMetric]) -> StockMetric:
+    """An empty instance of ``rebase(base)`` for pickle to fill with ``__setstate__``."""
+    cls: Any = rebase(base)
+    return cls.__new__(cls)  # type: ignore[no-any-return]
 
-        for module_name in _REBASE_SEARCH:
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError:
-                continue
-            base = getattr(module, name[len("Varlen") :], None)
-            if isinstance(base, type) and issubclass(base, StockMetric):
-                return rebase(base)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def _task_wrapper_targets(metric_cls: type[StockMetric]) -> list[str] | None:
+    """The task classes of a wrapper whose constructor returns another class (``AUROC``), else None."""
+    own = metric_cls.__mro__[: metric_cls.__mro__.index(StockMetric)]
+    if all("__new__" not in klass.__dict__ for klass in own):
+        return None
+    module = sys.modules.get(metric_cls.__module__)
+    prefixes = ("Binary", "Multiclass", "Multilabel")
+    return [f"{p}{metric_cls.__name__}" for p in prefixes if hasattr(module, f"{p}{metric_cls.__name__}")]
 
 
 @functools.cache
 def rebase(metric_cls: type[_M]) -> type[_M]:
     """Return a subclass of a stock torchmetrics metric class that syncs through :class:`Metric`.
 
-    The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only
-    the sync changes (one-shot, varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments).
+    The new class keeps the name (``__name__`` and ``__qualname__``, so collection keys and logged names are stock's),
+    arguments and behaviour of ``metric_cls`` and is still an instance of it; only the sync changes (one-shot,
+    varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments). Its instances pickle, deep-copy
+    and script with ``torch.jit.script`` whenever the stock class's do.
 
     Args:
         metric_cls: a subclass of :class:`torchmetrics.Metric`.
 
     Returns:
-        ``class Varlen<Name>(metric_cls, torchmetrics_varlen.Metric)``, cached per class. Rebase task-specific classes
-        (``BinaryAUROC``), not the task wrappers (``AUROC``) whose constructor returns another class.
+        ``class <Name>(metric_cls, torchmetrics_varlen.Metric)``, cached per class.
+
+    Raises:
+        TypeError: for a task wrapper such as ``AUROC``, whose constructor returns another class: rebase the task
+            class it names (``BinaryAUROC``, ``MulticlassAUROC``, ``MultilabelAUROC``) instead.
 
     Example:
         >>> import torch
@@ -292,8 +318,8 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
         >>> from torchmetrics_varlen import Metric, rebase
         >>> VarlenAUROC = rebase(BinaryAUROC)
         >>> metric = VarlenAUROC(thresholds=None)
-        >>> isinstance(metric, BinaryAUROC), isinstance(metric, Metric)
-        (True, True)
+        >>> isinstance(metric, BinaryAUROC), isinstance(metric, Metric), type(metric).__name__
+        (True, True, 'BinaryAUROC')
         >>> metric.update(torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1]))
         >>> metric.compute()
         tensor(1.)
@@ -302,7 +328,20 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
         raise TypeError(f"Expected `metric_cls` to be a subclass of torchmetrics.Metric but got {metric_cls!r}")
     if issubclass(metric_cls, Metric):
         return metric_cls
-    name = f"Varlen{metric_cls.__name__}"
-    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": metric_cls.__doc__}
-    rebased = type(name, (metric_cls, Metric), namespace)
+    targets = _task_wrapper_targets(metric_cls)
+    if targets is not None:
+        instead = "/".join(targets) or "the task-specific class it returns"
+        raise TypeError(
+            f"Expected a metric class whose constructor builds itself but got {metric_cls.__name__}, a task wrapper"
+            f" whose constructor returns another class: rebase {instead} instead."
+        )
+    unused = [*getattr(metric_cls, "__jit_unused_properties__", []), *Metric.__jit_unused_properties__]
+    namespace = {
+        "__module__": metric_cls.__module__,
+        "__qualname__": metric_cls.__qualname__,
+        "__doc__": metric_cls.__doc__,
+        "__jit_unused_properties__": list(dict.fromkeys(unused)),
+        "_varlen_base": metric_cls,
+    }
+    rebased = type(metric_cls.__name__, (metric_cls, Metric), namespace)
     return rebased  # type: ignore[return-value]
