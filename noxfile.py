@@ -9,6 +9,7 @@ CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))  # pins torch to the
 # 1.0-1.3 skip the gather for an empty `cat` list (ranks issue different collectives);
 # 1.2.0-1.4.0 share `_computed` between the members of a compute group.
 OLDEST_TORCHMETRICS = "1.4.1"
+OLDEST_LIGHTNING_UTILITIES = "0.12.0"  # the lower bound declared in pyproject.toml
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"
@@ -76,9 +77,14 @@ def bench(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("torchmetrics", [OLDEST_TORCHMETRICS, "latest"])
 def compat(session: nox.Session, torchmetrics: str) -> None:
-    """The test-suite against the oldest supported and the newest torchmetrics."""
+    """The test-suite against the oldest supported (torchmetrics, lightning-utilities) and the newest torchmetrics."""
     _install(session, "-e", ".[test,lightning]")
     spec = "torchmetrics" if torchmetrics == "latest" else f"torchmetrics=={torchmetrics}"
     _install(session, "--upgrade" if torchmetrics == "latest" else "--force-reinstall", "--no-deps", spec)
-    session.run("python", "-c", "import torchmetrics; print('torchmetrics', torchmetrics.__version__)")
+    if torchmetrics != "latest":
+        _install(session, "--force-reinstall", "--no-deps", f"lightning-utilities=={OLDEST_LIGHTNING_UTILITIES}")
+    versions = (
+        "import torchmetrics as tm, lightning_utilities as lu; print('torchmetrics', tm.__version__, lu.__version__)"
+    )
+    session.run("python", "-c", versions)
     session.run("python", "-m", "pytest", "-q", "-x", *session.posargs)
