@@ -14,10 +14,10 @@ CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))  # pins torch to the
 # 1.0-1.3 skip the gather for an empty `cat` list (ranks issue different collectives);
 # 1.2.0-1.4.0 share `_computed` between the members of a compute group.
 OLDEST_TORCHMETRICS = "1.4.1"
-# The lowest lightning-utilities declared in pyproject.toml, tested with the oldest torchmetrics. torch itself is
-# declared >=2.13: the only release whose CPU wheel these machines install (older ones are multi-GB CUDA builds), so
-# the only one tested; gloo's equal-size all-gather of the protocol is missing from old releases anyway.
-OLDEST_LIGHTNING_UTILITIES = "0.10.0"
+# The lowest lightning-utilities declared in pyproject.toml (0.10 and 0.11 import pkg_resources, gone from current
+# setuptools), tested with the oldest torchmetrics. torch itself is declared >=2.13: the only release whose CPU wheel
+# these machines install (older ones are multi-GB CUDA builds), so the only one tested.
+OLDEST_LIGHTNING_UTILITIES = "0.12.0"
 
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 nox.options.default_venv_backend = "venv"

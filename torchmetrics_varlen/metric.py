@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities import distributed as _tm_distributed
@@ -246,16 +247,9 @@ class Metric(StockMetric, JoinableMetric):
 
     @staticmethod
     def _finish(value: Any) -> Any:
-        value = _squeeze_if_scalar(value)
-        # Clone, as stock does, so that in-place changes to the result cannot alter the states it may be (a compute
-        # that returns a state); the cached object is the returned one, as with stock.
-        if isinstance(value, Tensor):
-            return value.clone()
-        if isinstance(value, dict):
-            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(v.clone() if isinstance(v, Tensor) else v for v in value)
-        return value
+        # As stock: clone so that the result shares no memory with the states (a compute may return a state, which
+        # later updates change in place). The cached object is the one returned, as with stock.
+        return apply_to_collection(_squeeze_if_scalar(value), Tensor, lambda tensor: tensor.clone())
 
 
 _M = TypeVar("_M", bound=StockMetric)
@@ -307,10 +301,11 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
     if issubclass(metric_cls, Metric):
         return metric_cls
     if metric_cls.__new__ is not object.__new__:
+        name = metric_cls.__name__
+        tasks = "/".join(f"{task}{name}" for task in ("Binary", "Multiclass", "Multilabel"))
         raise TypeError(
-            f"Expected `metric_cls` to be a metric class but got {metric_cls.__name__}, a task wrapper whose"
-            f" constructor returns an instance of another class (for example Binary{metric_cls.__name__}): rebase"
-            f" that class instead, e.g. `rebase(Binary{metric_cls.__name__})`."
+            f"Expected `metric_cls` to be a metric class but got {name}, a task wrapper whose constructor returns an"
+            f" instance of another class ({tasks}): rebase that class instead, e.g. `rebase(Binary{name})`."
         )
     namespace = {
         "__module__": __name__,
