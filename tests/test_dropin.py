@@ -10,6 +10,8 @@ import pytest
 import torch
 import torchmetrics
 from _helpers import count_collectives, split
+from _metrics import StockTotal as StockSum
+from _metrics import Total as SumMetric
 from conftest import run_distributed
 from torchmetrics import MetricCollection as StockCollection
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassF1Score
@@ -18,34 +20,6 @@ from torchmetrics.retrieval import RetrievalMAP
 
 import torchmetrics_varlen as tv
 from torchmetrics_varlen import SyncTimeoutError, rebase
-
-
-class SumMetric(tv.Metric):
-    """A ``tv.Metric`` subclass: sum of the inputs."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
-
-    def update(self, x):
-        self.total += x.sum()
-
-    def compute(self):
-        return self.total
-
-
-class StockSum(torchmetrics.Metric):
-    """A user-defined stock metric, to rebase."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
-
-    def update(self, x):
-        self.total += x.sum()
-
-    def compute(self):
-        return self.total
 
 
 class OwnSyncDist(SumMetric):
@@ -240,6 +214,21 @@ def test_compute_honours_sync_dist_override():
     for result in run_distributed(_own_sync_dist_body, 2):
         assert result == {"calls": 1, "collectives": result["collectives"], "value": 3.0}
         assert result["collectives"] <= 2
+
+
+def _own_sync_dist_in_collection_body(rank, world_size):
+    OwnSyncDist.calls = 0
+    collection = tv.MetricCollection({"own": OwnSyncDist(), "plain": SumMetric()})
+    collection.update(torch.tensor([float(rank + 1)]))
+    values = collection.compute()
+    return {"calls": OwnSyncDist.calls, "own": values["own"].item(), "plain": values["plain"].item()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collection_member_with_its_own_sync_dist_syncs_through_it(world_size):
+    total = float(sum(range(1, world_size + 1)))
+    for result in run_distributed(_own_sync_dist_in_collection_body, world_size):
+        assert result == {"calls": 1, "own": total, "plain": total}
 
 
 # ---------------------------------------------------------------------------------------------------- _finish

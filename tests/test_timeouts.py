@@ -6,22 +6,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _metrics import Total
 from conftest import run_distributed
 from torchmetrics.aggregation import SumMetric
 
 from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _transport, rebase
-
-
-class Total(Metric):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
-
-    def update(self, x):
-        self.total += x.sum()
-
-    def compute(self):
-        return self.total
 
 
 class Count(Metric):

@@ -14,6 +14,9 @@ from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn, resolve_ti
 __all__ = ["MetricCollection"]
 
 
+_PLAIN_SYNC_DIST = (StockMetric._sync_dist, Metric._sync_dist)
+
+
 class MetricCollection(StockMetricCollection):
     """A :class:`torchmetrics.MetricCollection` whose ``compute()`` syncs every member in two collectives in all.
 
@@ -70,6 +73,7 @@ class MetricCollection(StockMetricCollection):
             if metric._to_sync
             and not metric._is_synced
             and is_coalescing_sync_fn(metric.dist_sync_fn)
+            and type(metric)._sync_dist in _PLAIN_SYNC_DIST  # a member with its own `_sync_dist` syncs through it
             and metric.process_group is None
             and metric._defaults
             and metric.distributed_available_fn()

@@ -220,7 +220,7 @@ class Metric(StockMetric, JoinableMetric):
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(compute)
         def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
-            if not self.update_called:
+            if self._update_count == 0:  # `update_called` is deprecated in torchmetrics
                 rank_zero_warn(
                     f"The ``compute`` method of metric {type(self).__name__} was called before the ``update`` method"
                     " which may lead to errors, as metric states have not yet been updated.",

@@ -99,7 +99,7 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     if metric._computed is not None and metric.compute_with_cache:
         return metric._computed  # a valid cache is local, as for compute()
     rank, _ = world
-    if not metric.update_called:
+    if metric._update_count == 0:  # `update_called` is deprecated in torchmetrics
         warnings.warn(
             f"The ``compute`` method of metric {type(metric).__name__} was called before the ``update`` method"
             " which may lead to errors, as metric states have not yet been updated.",
