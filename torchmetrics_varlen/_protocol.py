@@ -308,8 +308,8 @@ class ReduceGroup:
     """Dense entries reduced by one all-reduce (sum or max) of a flat buffer of ``dtype``.
 
     Every sum and mean state shares one group (integers split into float64 halves when floats are summed too), every
-    max and min state of a float dtype one, and of an integer dtype another: at most three all-reduces, whatever
-    the number of states.
+    max and min state of a float dtype one, and of an integer dtype another: at most three groups, whatever the number
+    of states, of which the collective budget lets at most two be all-reduced (see ``_route``).
     """
 
     op: int
@@ -477,6 +477,14 @@ def _route(
         members[kind].append((index, op, transport))
     groups = [_reduce_group(kind, found, entries) for kind, found in members.items() if found]
     chosen = [group for group in groups if reduce == "always" or (world - 2) * group.nbytes >= REDUCE_MIN_SAVING]
+    # The collective budget: metadata + gather + one all-reduce, or metadata + two all-reduces when nothing is left
+    # to gather. Past it, only the largest group is all-reduced and the others ride in the gather.
+    routed = {index for group in chosen for index in group.indices}
+    gathers = any(
+        index not in routed and (entry.dense or bool((entry.numels > 0).any())) for index, entry in enumerate(entries)
+    )
+    if len(chosen) > (1 if gathers else 2):
+        chosen = [max(chosen, key=lambda group: group.nbytes)]
     for group in chosen:
         for index in group.indices:
             entries[index] = _with_route(entries[index], ROUTE_REDUCE)
