@@ -32,8 +32,8 @@ from torchmetrics_varlen._protocol import LocalEntry, Plan, Ref
 class Synced:
     """What a sync gives back: the plan every rank agreed on, and one result per entry.
 
-    ``results`` is empty when every rank reported its result cached (nothing moved), and on the ranks other than
-    ``dst`` of a one-rank sync. An entry that is the same object as an earlier one on every rank has result None.
+    ``results`` is empty on the ranks other than ``dst`` of a one-rank sync. An entry that is the same object as an
+    earlier one on every rank has result None.
     """
 
     plan: Plan
@@ -112,8 +112,6 @@ def run(
     digest = hashlib.blake2b(table[:, :described].numpy().tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
     plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
-    if plan.all_synced:
-        return Synced(plan, [], rank)
     devices = [entry_device(entry, like) for entry in entries]
     if plan.inline:  # the data came with the records: cut it out of the table
         rows = table[:, described:].contiguous().view(torch.uint8)

@@ -45,7 +45,6 @@ LABEL_WORDS = 3  # 24 bytes of the label travel in the record
 H_MAGIC, H_CONTEXT, H_LABEL = 0, 1, 2
 H_FLAGS, H_N, H_ERROR, H_ERROR_ENTRY, H_WORDS = (H_LABEL + LABEL_WORDS + i for i in range(5))
 HEADER_LEN = H_WORDS + 1
-FLAG_SYNCED = 1  # this rank's result is cached / already synced: skip the data step if every rank says so
 FLAG_GRAD = 2  # a local state carries a rank-local autograd graph: gather everything, as stock does, to keep it
 FLAG_DIFF = 4  # a differentiable sync (``sync_grads=True`` in grad mode): every rank must agree
 FLAG_INLINE = 8  # the record carries this rank's data after its slots (see ``_inline_words``)
@@ -336,19 +335,14 @@ class Plan:
     aux: Tensor  # [W, entries]: the auxiliary words
     groups: list[DenseGroup]
     reduce_groups: list[ReduceGroup]
-
-    @property
-    def all_synced(self) -> bool:
-        """Every rank reported its result cached or synced: the data step is skipped."""
-        return bool((self.flags & FLAG_SYNCED).all())
-
     differentiable: bool = False  # the data step runs inside an autograd function (see ``_engine``)
     inline: bool = False  # every rank's data came in its record (``FLAG_INLINE``): no data step
 
 
 # Moving a reducible group by all-reduce instead of inside the gather saves about (W - 2) x its bytes of traffic per
 # rank (and W x its bytes of receive memory) but costs one more collective. Below this many bytes of saving, one
-# collective's latency is worth more (measured on gloo: a small collective costs about what 64 KiB of transfer does).
+# collective's latency is worth more. Measured on gloo (docs page "Scale"): a tiny collective costs what a 150-300 KiB
+# gather does; the threshold is lower, because at scale bytes and receive memory matter more than 0.2 ms.
 REDUCE_MIN_SAVING = 64 * 2**10
 _REDUCE_DTYPES = {torch.int64, torch.float32, torch.float64}  # all-reduce works on these on every backend
 

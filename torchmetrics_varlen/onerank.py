@@ -113,8 +113,6 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     layout = sync_layout([metric], phase)
     synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
     assert synced is not None  # no `stop` given
-    if synced.plan.all_synced:
-        return metric._computed
     outcome = _compute_here(metric, layout, synced) if rank == dst else None
     like = next((t.device for t in _engine.iter_tensors(layout.entries)), torch.device("cpu"))
     device = _policy.policy_for(group, like).device
