@@ -17,7 +17,7 @@ No rank branches on its local data before step 3, so no rank can skip a collecti
 import functools
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -172,20 +172,14 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
         return None
     if any(t.device.type != "cpu" or t.dtype.itemsize > 8 for t in tensors):
         return None
-    groups: dict[torch.dtype, list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    sizes = [sum(t.numel() for t in group) * dtype.itemsize for dtype, group in groups.items()]
-    total = sum(align(size) for size in sizes)
+    groups, total = dense_layout((index, t.dtype, t.numel()) for index, t in enumerate(tensors))
     if total > INLINE_MAX_BYTES:
         return None
     buffer = torch.zeros(total, dtype=torch.uint8)
-    start = 0
     with torch.no_grad():
-        for (dtype, group), size in zip(groups.items(), sizes):
-            flat = torch.cat([t.reshape(-1) for t in group])
-            buffer[start : start + size].view(dtype).copy_(flat)
-            start += align(size)
+        for group in groups:
+            flat = [tensors[index].reshape(-1) for index in group.indices]
+            torch.cat(flat, out=buffer[group.start : group.start + group.nbytes].view(group.dtype))
     return buffer.view(torch.int64).tolist()  # type: ignore[no-any-return]
 
 
@@ -428,11 +422,12 @@ def _make_plan(
     if any_graph and not differentiable:
         reduce = "never"  # the local slot gets this rank's own tensor back, with its graph, as stock does
     reduce_groups = _route(entries, ops, world, reduce, differentiable)
-    groups = _dense_groups(entries)
-    used = 0
-    for group in groups:
-        group.start = used
-        used = align(used + group.nbytes)
+    gathered_dense = [
+        (index, entry.dtype, int(entry.numels[0]))
+        for index, entry in enumerate(entries)
+        if entry.dense and entry.route == ROUTE_GATHER and entry.dtype is not None  # a dense entry has a dtype
+    ]
+    groups, used = dense_layout(gathered_dense)
     nbytes = _layout_uneven(entries, world, used)
     return Plan(
         world_size=world,
@@ -508,15 +503,22 @@ def _with_route(entry: EntryPlan, route: int) -> EntryPlan:
     return copy
 
 
-def _dense_groups(entries: list[EntryPlan]) -> list[DenseGroup]:
+def dense_layout(items: Iterable[tuple[int, torch.dtype, int]]) -> tuple[list[DenseGroup], int]:
+    """``(index, dtype, numel)`` items grouped by dtype in order of first appearance, each group 16-byte aligned.
+
+    Returns the groups (with their start offsets) and the bytes they take. The plan lays out the dense part of every
+    rank's gather buffer with it, and ``_inline_words`` the data a record carries: one layout, so the two agree.
+    """
     groups: dict[torch.dtype, DenseGroup] = {}
-    for index, entry in enumerate(entries):
-        if entry.dense and entry.route == ROUTE_GATHER:
-            assert entry.dtype is not None
-            group = groups.setdefault(entry.dtype, DenseGroup(entry.dtype, 0, [], []))
-            group.indices.append(index)
-            group.numels.append(int(entry.numels[0]))
-    return list(groups.values())
+    for index, dtype, numel in items:
+        group = groups.setdefault(dtype, DenseGroup(dtype, 0, [], []))
+        group.indices.append(index)
+        group.numels.append(numel)
+    used = 0
+    for group in groups.values():
+        group.start = used
+        used = align(used + group.nbytes)
+    return list(groups.values()), used
 
 
 def _layout_uneven(entries: list[EntryPlan], world: int, start: int) -> Tensor:

@@ -10,6 +10,7 @@ in the backend's order.
 """
 
 import functools
+import math
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -206,7 +207,8 @@ def reduce_state(
         start, stop = int(numels[:rank].sum()), int(numels[: rank + 1].sum())
         joined = result.tensor
         mine = dim_zero_cat(own if isinstance(own, list) else [own]).reshape(-1, *joined.shape[1:])  # type: ignore[list-item]
-        return torch.cat([joined[: start // _row(joined)], mine.to(joined.dtype), joined[stop // _row(joined) :]])
+        row = math.prod(joined.shape[1:])  # elements per row of the joined state
+        return torch.cat([joined[: start // row], mine.to(joined.dtype), joined[stop // row :]])
     if isinstance(result, Stacked):
         stacked = result.tensor
         if isinstance(own, Tensor) and own.requires_grad:
@@ -243,11 +245,6 @@ def _carries_graph(own: LocalEntry | None) -> bool:
     if isinstance(own, Tensor):
         return own.requires_grad
     return isinstance(own, list) and any(item.requires_grad for item in own)
-
-
-def _row(tensor: Tensor) -> int:
-    """Elements per row (dim 0) of ``tensor``."""
-    return max(1, int(torch.tensor(tensor.shape[1:]).prod())) if tensor.ndim > 1 else 1
 
 
 _MEAN_WARNED: "weakref.WeakKeyDictionary[StockMetric, set[str]]" = weakref.WeakKeyDictionary()
