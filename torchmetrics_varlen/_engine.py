@@ -190,7 +190,8 @@ def _rebuild(result: Result | None, outputs: list[Tensor]) -> Result | None:
     return [[outputs.pop(0) for _ in piece] if isinstance(piece, list) else outputs.pop(0) for piece in result]
 
 
-def _differentiable(dtype: torch.dtype | None) -> bool:
+def differentiable_dtype(dtype: torch.dtype | None) -> bool:
+    """Whether outputs of ``dtype`` carry gradients through the differentiable step (floating point and complex)."""
     return dtype is not None and (dtype.is_floating_point or dtype.is_complex)
 
 
@@ -221,7 +222,7 @@ class _DifferentiableStep(torch.autograd.Function):
             for tensor in _outputs(result):
                 # Fresh tensors, not views of the receive buffer: views made inside a custom Function refuse in-place.
                 outputs.append(tensor.clone())
-                sections.append((index, tensor.numel(), _differentiable(plan.entries[index].dtype)))
+                sections.append((index, tensor.numel(), differentiable_dtype(plan.entries[index].dtype)))
         ctx.step, ctx.sections = step, sections
         ctx.input_meta = [(t.shape, t.dtype, t.device) for t in inputs]
         ctx.mark_non_differentiable(*(out for out, (_, _, diff) in zip(outputs, sections) if not diff))

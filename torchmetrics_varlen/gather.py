@@ -65,16 +65,21 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     if world is None:
         return [result]
     rank, _ = world
-    if sync_grads:
-        synced = _differentiable_gather(result, group)
-    else:
-        label, timeout = "gather_all_tensors", _transport.default_timeout()
-        synced = _engine.run([result], group, context=_HOOK_CONTEXT, label=label, timeout=timeout)
+    synced = _engine.run(
+        [result],
+        group,
+        context=_GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
+        label="gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
+        timeout=_transport.default_timeout(),
+        # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
+        flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
+        grad="always",
+    )
     assert synced is not None  # no `stop` given
     gathered = synced.results[0]
     per_rank: list[Tensor] = list(gathered.tensor.unbind(0)) if isinstance(gathered, Stacked) else list(gathered)  # type: ignore[union-attr, arg-type]
     dtype = synced.plan.entries[0].dtype
-    if synced.plan.differentiable and dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+    if synced.plan.differentiable and _engine.differentiable_dtype(dtype):
         return per_rank  # every piece is an output of the differentiable step
     if result.numel() > 0:
         per_rank[rank] = result  # the caller's own object: its autograd graph stays intact
@@ -83,16 +88,3 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         # loss built from it still reaches this rank's parameters (DDP needs every rank's backward).
         per_rank[rank] = result.reshape(per_rank[rank].shape).to(per_rank[rank].dtype)
     return per_rank
-
-
-def _differentiable_gather(result: Tensor, group: Any) -> "_engine.Synced | None":
-    """The gather as one autograd node: every rank's piece is differentiable, backward is one all-reduce."""
-    return _engine.run(
-        [result],
-        group,
-        context=_GRAD_CONTEXT,
-        label="gather_all_tensors(grad)",
-        timeout=_transport.default_timeout(),
-        flags=_protocol.FLAG_DIFF if torch.is_grad_enabled() else 0,  # under no_grad: the plain gather
-        grad="always",
-    )
