@@ -89,14 +89,12 @@ class MetricCollection(StockMetricCollection):
         # Members whose cached result is valid return it with no collective, as stock ones do; when every member's
         # is, the collection syncs nothing at all (`compute()` on rank 0 only after every rank computed is legal).
         members = [m for m in self._coalesced_members() if m._computed is None]
-        synced: list[dict[str, Any]] | None = None
-        if members and _transport.world_of(None) is None:
-            # A group of one: nothing to exchange (stock members would still gather with themselves).
-            synced = [{} for _ in members]
-        elif members:
+        if members and _transport.world_of(None) is not None:
             synced = sync_states(members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout)
+        else:  # a group of one: nothing to exchange (stock members would still gather with themselves)
+            synced = [{} for _ in members]
         uncached: list[StockMetric] = []
-        for metric, states in zip(members, synced or []):
+        for metric, states in zip(members, synced):
             local = {name: vars(metric)[name] for name in states}
             try:
                 _set_states(metric, states)

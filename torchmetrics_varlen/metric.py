@@ -134,25 +134,19 @@ class Metric(StockMetric, JoinableMetric):
             return
         self._apply_synced(self._exchange(process_group))
 
-    def _exchange(self, process_group: Any) -> StateDict | None:
+    def _exchange(self, process_group: Any) -> StateDict:
         group = process_group or self.process_group
         phase = self._sync_phase()
         if phase == "step":
             group = self._step_sync_group(group)
         label = f"{type(self).__name__}.{phase}"
         differentiable = self.sync_grads and torch.is_grad_enabled()
-        synced = sync_states(
-            [self],
-            group,
-            phase=phase,
-            label=label,
-            timeout=self.sync_timeout,
-            differentiable=differentiable,
-        )
-        return None if synced is None else synced[0]
+        return sync_states(
+            [self], group, phase=phase, label=label, timeout=self.sync_timeout, differentiable=differentiable
+        )[0]
 
-    def _apply_synced(self, states: StateDict | None) -> None:
-        for name, value in (states or {}).items():
+    def _apply_synced(self, states: StateDict) -> None:
+        for name, value in states.items():
             setattr(self, name, value)
 
     def _distributed(self, distributed_available: Callable[[], bool] | None = None) -> bool:
