@@ -11,7 +11,7 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, rebase
+from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, _policy, rebase
 
 _REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
 
@@ -161,7 +161,13 @@ def test_small_metric_whole_sync_is_under_8_kb_on_4_ranks():
         assert result["bytes"] <= 8 * 1024, result
 
 
-def body_peer_crash(rank, world_size):
+def _waiting(wait):
+    """The real policy's wait on gloo ("block"), or the polling that NCCL gets, forced on gloo."""
+    return contextlib.nullcontext() if wait == "block" else _policy.forced(wait=wait)
+
+
+def body_peer_crash(rank, world_size, wait):
+    assert _policy.policy_for(None, torch.device("cpu")).wait == "block"  # what gloo gets unless forced
     metric = rebase(BinaryAccuracy)(sync_timeout=30)
     metric.update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
     before = {name: getattr(metric, name).clone() for name in metric._defaults}
@@ -169,7 +175,8 @@ def body_peer_crash(rank, world_size):
         dist.destroy_process_group()  # this rank's connections close, as when its process dies
         return None
     try:
-        metric.compute()
+        with _waiting(wait):
+            metric.compute()
     except SyncPeerError as err:
         after = {name: getattr(metric, name) for name in metric._defaults}
         intact = all(torch.equal(before[name], after[name]) for name in before) and not metric._is_synced
@@ -177,8 +184,9 @@ def body_peer_crash(rank, world_size):
     return {"message": "no error"}
 
 
-def test_crashed_peer_is_reported_as_such_and_states_stay_local():
-    for rank, result in enumerate(run_distributed(body_peer_crash, 3, fresh=True, deadline=60)):
+@pytest.mark.parametrize("wait", ["block", "poll"])
+def test_crashed_peer_is_reported_as_such_and_states_stay_local(wait):
+    for rank, result in enumerate(run_distributed(body_peer_crash, 3, wait, fresh=True, deadline=60)):
         if rank == 2:
             continue
         assert "lost a peer during the sync" in result["message"], result
@@ -305,29 +313,32 @@ def test_int64_sums_split_into_float64_halves_are_bit_identical():
     assert torch.equal(_decode(inverted, ENC_INVERT), torch.stack(ranks).min(0).values)
 
 
-def body_late_and_missing(rank, world_size):
+def body_late_and_missing(rank, world_size, wait):
     import time
 
     metric = rebase(BinaryAccuracy)(sync_timeout=10)
     metric.update(torch.tensor([0.9, 0.2]), torch.tensor([1, rank % 2]))
     if rank == world_size - 1:
         time.sleep(3)  # late by less than the sync timeout: nobody may fail
-    value = metric.compute()
+    with _waiting(wait):
+        value = metric.compute()
     metric.update(torch.tensor([0.7]), torch.tensor([1]))
     before = {name: getattr(metric, name).clone() for name in metric._defaults}
     if rank == world_size - 1:
         return {"value": value}  # never arrives at the second sync
     metric.sync_timeout = 2
     try:
-        metric.compute()
+        with _waiting(wait):
+            metric.compute()
     except SyncTimeoutError as err:
         intact = all(torch.equal(before[name], getattr(metric, name)) for name in before) and not metric._is_synced
         return {"value": value, "error": str(err), "intact": intact}
     return {"value": value, "error": None}
 
 
-def test_late_rank_is_waited_for_and_missing_rank_is_named_with_states_intact():
-    results = run_distributed(body_late_and_missing, 2, fresh=True, deadline=60)
+@pytest.mark.parametrize("wait", ["block", "poll"])
+def test_late_rank_is_waited_for_and_missing_rank_is_named_with_states_intact(wait):
+    results = run_distributed(body_late_and_missing, 2, wait, fresh=True, deadline=60)
     single = BinaryAccuracy()
     single.update(torch.tensor([0.9, 0.2, 0.9, 0.2]), torch.tensor([1, 0, 1, 1]))
     for rank, result in enumerate(results):

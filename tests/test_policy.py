@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from torchmetrics_varlen import _policy
-from torchmetrics_varlen._policy import PeerFailedError, buffer_device, wait_for
+from torchmetrics_varlen._policy import PeerFailedError, buffer_device, wait_for, wait_mode
 
 
 @pytest.mark.parametrize(
@@ -21,6 +21,20 @@ from torchmetrics_varlen._policy import PeerFailedError, buffer_device, wait_for
 )
 def test_buffer_device(backend, like, expected):
     assert buffer_device(backend, like, current_cuda=lambda: 3) == expected
+
+
+@pytest.mark.parametrize(
+    ("backend", "device_type", "expected"),
+    [
+        ("gloo", "cpu", "block"),  # c10d's base Work: a timed wait is a condition-variable wait, nothing else
+        ("nccl", "cuda", "poll"),  # a timed wait would abort the communicator on expiry
+        ("cpu:gloo,cuda:nccl", "cpu", "block"),
+        ("cpu:gloo,cuda:nccl", "cuda", "poll"),
+        ("mpi", "cpu", "poll"),  # unknown timed-wait semantics: poll
+    ],
+)
+def test_wait_mode(backend, device_type, expected):
+    assert wait_mode(backend, device_type) == expected
 
 
 class FakeWork:
@@ -56,6 +70,7 @@ def test_wait_polls_and_never_passes_a_timeout_to_wait():
     clock, work = FakeClock(), FakeWork(polls=3)
     assert wait_for(work, timeout=5.0, clock=clock, sleep=clock.sleep)
     assert work.wait_calls == [((), {})]  # a timed wait would abort an NCCL communicator
+    assert clock.now == 0.0  # a quick collective completes within the first checks, before any sleep
 
 
 def test_wait_gives_up_after_the_timeout_and_leaves_the_work_alone():
@@ -78,6 +93,73 @@ def test_failed_work_is_a_peer_failure_with_the_backend_error():
     with pytest.raises(PeerFailedError, match="Connection closed by peer") as info:
         wait_for(FakeWork(polls=0, error=backend_error), 5.0, clock=clock, sleep=clock.sleep)
     assert info.value.__cause__ is backend_error
+
+
+class FakeBlockingWork:
+    """A gloo-like work: a timed ``wait`` sleeps on the clock and raises "Operation timed out!" unless done by then."""
+
+    def __init__(self, clock, done_at=None, error=None):
+        self.clock, self.done_at, self.error, self.timeouts = clock, done_at, error, []
+
+    def is_completed(self):
+        return self.done_at is not None and self.clock.now >= self.done_at
+
+    def wait(self, timeout=None):
+        self.timeouts.append(timeout)
+        if timeout is not None:
+            assert timeout.total_seconds() >= 1e-3  # c10d reads a zero timeout as "wait forever"
+            if self.done_at is None or self.done_at > self.clock.now + timeout.total_seconds():
+                self.clock.sleep(timeout.total_seconds())
+                raise RuntimeError("Operation timed out!")
+        assert self.done_at is not None, "an untimed wait on a work that never completes would hang"
+        self.clock.now = max(self.clock.now, self.done_at)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_blocking_wait_returns_when_done_and_notes_a_slow_wait_once():
+    clock, slow = FakeClock(), []
+    work = FakeBlockingWork(clock, done_at=3.5)
+    assert wait_for(work, 10.0, lambda: slow.append(clock.now), 1.0, clock=clock, mode="block")
+    assert slow == [1.0] and clock.now == 3.5
+    assert [t.total_seconds() for t in work.timeouts] == [1.0, 9.0]  # up to the note, then up to the deadline
+
+
+def test_blocking_wait_expires_and_leaves_the_work_pending():
+    clock = FakeClock()
+    work = FakeBlockingWork(clock, done_at=None)
+    assert not wait_for(work, 2.0, None, clock=clock, mode="block")
+    assert clock.now == 2.0 and not work.is_completed()
+
+
+def test_blocking_wait_without_timeout_waits_once_untimed():
+    clock = FakeClock()
+    work = FakeBlockingWork(clock, done_at=7.0)
+    assert wait_for(work, None, clock=clock, mode="block")
+    assert work.timeouts == [None]
+
+
+def test_blocking_wait_reports_a_failed_work_as_a_peer_failure():
+    clock = FakeClock()
+    backend_error = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    work = FakeBlockingWork(clock, done_at=0.5, error=backend_error)
+    with pytest.raises(PeerFailedError, match="Connection closed by peer") as info:
+        wait_for(work, 5.0, clock=clock, mode="block")
+    assert info.value.__cause__ is backend_error
+
+
+class CompletesAsItTimesOut(FakeBlockingWork):
+    def wait(self, timeout=None):
+        if self.done_at is None:  # the slice expires, and the collective completes while the error unwinds
+            self.done_at = self.clock.now
+            raise RuntimeError("Operation timed out!")
+        return super().wait(timeout)
+
+
+def test_blocking_wait_tells_an_expired_slice_from_a_failure():
+    clock = FakeClock()
+    assert wait_for(CompletesAsItTimesOut(clock), 5.0, clock=clock, mode="block")
 
 
 def test_forced_policy_is_scoped_to_the_block():

@@ -1,5 +1,6 @@
 """Ranks that never arrive: the others raise SyncTimeoutError naming them, within about the timeout; mismatches."""
 
+import contextlib
 import os
 import time
 
@@ -10,7 +11,7 @@ from _metrics import Total
 from conftest import run_distributed
 from torchmetrics.aggregation import SumMetric
 
-from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _transport, rebase
+from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _policy, _transport, rebase
 
 
 class Count(Metric):
@@ -25,8 +26,16 @@ class Count(Metric):
         return self.count
 
 
-def body_timeouts(rank, world_size, absent):
-    """Two syncs that never complete, in one fresh pool (each leaves a collective pending on its own group)."""
+def body_timeouts(rank, world_size, absent, wait):
+    """Two syncs that never complete, in one fresh pool (each leaves a collective pending on its own group).
+
+    ``wait`` "poll" forces the polling wait that NCCL gets onto gloo; "block" is gloo's own.
+    """
+    with contextlib.nullcontext() if wait == "block" else _policy.forced(wait=wait):
+        return _timeouts(rank, world_size, absent)
+
+
+def _timeouts(rank, world_size, absent):
     # 1. Field report 5: compute() inside `if is_global_zero:` (here: on all ranks but one), on the default group,
     #    with the sync timeout taken from the environment.
     os.environ["TORCHMETRICS_VARLEN_SYNC_TIMEOUT"] = "2"
@@ -59,10 +68,10 @@ def body_timeouts(rank, world_size, absent):
     return {"missing": missing, "elsewhere": elsewhere, "groups": (first.group_name, second.group_name)}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_missing_ranks_are_named_within_the_timeout(world_size):
+@pytest.mark.parametrize(("world_size", "wait"), [(2, "block"), (3, "poll"), (3, "block")])
+def test_missing_ranks_are_named_within_the_timeout(world_size, wait):
     absent = world_size - 1
-    results = run_distributed(body_timeouts, world_size, absent, deadline=60, fresh=True)
+    results = run_distributed(body_timeouts, world_size, absent, wait, deadline=60, fresh=True)
     first, second = results[0]["groups"]
     for rank, result in enumerate(results):
         if rank != absent:

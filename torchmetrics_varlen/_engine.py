@@ -107,9 +107,10 @@ def run(
     table = _transport.exchange_records(record, group, policy.device, timeout, what)
     if stop is not None and stop(table):
         return None
-    described = _protocol.record_words(int(table[0, _protocol.H_N])) if table.shape[1] >= _protocol.HEADER_LEN else 0
+    words = table.numpy()
+    described = _protocol.record_words(int(words[0, _protocol.H_N])) if table.shape[1] >= _protocol.HEADER_LEN else 0
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
-    digest = hashlib.blake2b(table[:, :described].numpy().tobytes(), digest_size=32).digest()
+    digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
     plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
     devices = [entry_device(entry, like) for entry in entries]
@@ -252,6 +253,7 @@ class _DifferentiableStep(torch.autograd.Function):
             _transport.run_collective(
                 lambda: torch.distributed.all_reduce(flat, group=step.group, async_op=True),
                 step.group,
+                flat.device,
                 step.timeout,
                 f"backward of the {step.what}",
             )

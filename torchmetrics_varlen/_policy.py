@@ -8,11 +8,19 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   (``"cpu:gloo,cuda:nccl"``) takes the device that the states' device type maps to. States on other devices are
   copied to the buffer device when packed and back to their own device when unpacked: one code path whatever the
   devices, since ``Tensor.to`` is a no-op on the same device.
-* **Waiting.** Every collective is started asynchronously and waited on by polling ``work.is_completed()``, then
-  ``work.wait()`` *without* a timeout. A timed ``wait`` behaves differently per backend: on NCCL it blocks and, on
-  expiry, marks the work timed out and aborts the communicator (``ProcessGroupNCCL::WorkNCCL::wait``), which would
-  tear down the job's group for a rank that is merely late. Polling behaves the same on every backend, so the gloo
-  tests cover it, and nothing here ever aborts a communicator. A wait that expires leaves the collective pending.
+* **Waiting.** Every collective is started asynchronously and waited for in one of two ways, both with the same
+  outcome (done, expired with the collective left pending, or failed), both run by the gloo tests:
+
+  - ``"block"`` (gloo): ``work.wait(timeout)`` in slices. gloo's work is c10d's base ``Work``, whose timed ``wait``
+    is a condition-variable wait that raises "Operation timed out!" and changes nothing (``c10d::Work::wait``), so a
+    rank wakes the moment the collective completes. A slice is never zero: c10d reads a zero timeout as "none".
+  - ``"poll"`` (NCCL and every other backend): check ``work.is_completed()``, first in a short spin, then with
+    sleeps of growing length, and call ``work.wait()`` *without* a timeout once it completed. A timed ``wait`` is not
+    safe there: on NCCL it blocks and, on expiry, marks the work timed out and aborts the communicator
+    (``ProcessGroupNCCL::WorkNCCL::wait``), which would tear down the job's group for a rank that is merely late.
+
+  Nothing here ever aborts a communicator. A sleep asks the OS for tens of microseconds and gets 100-200 on a busy
+  machine, which is why gloo blocks instead: polling added a fifth to a small metric's sync here.
 * **Data path.** The padded equal-size gather (``all_gather_into_tensor``) on every backend, and ``all_reduce`` for
   the dense states the plan routes there. NCCL's list ``all_gather`` with unequal sizes is not used: it could not be
   run where this package is tested.
@@ -22,6 +30,7 @@ made-up backends and work objects.
 """
 
 import contextlib
+import datetime
 import os
 import threading
 import time
@@ -36,9 +45,11 @@ REDUCE_ENV = "TORCHMETRICS_VARLEN_REDUCE"
 REDUCE_MODES = ("auto", "never", "always")
 # Polling: the first checks come quickly (a sync among ready ranks completes in well under a millisecond), then the
 # interval grows, so a rank waiting for a late peer costs almost no CPU.
+POLL_SPINS = 100  # checks without sleeping first: a small NCCL collective completes within them
 POLL_FIRST = 20e-6
 POLL_GROWTH = 1.5
 POLL_MAX = 2e-3
+MIN_SLICE = 1e-3  # seconds: the shortest timed wait; c10d takes whole milliseconds, and reads 0 as "no timeout"
 
 
 @dataclass(frozen=True)
@@ -49,11 +60,13 @@ class TransportPolicy:
         backend: the group's backend name, lower case.
         device: where the exchange buffers live.
         reduce: "auto" (the plan's cost model), "never" or "always" (every eligible state all-reduced).
+        wait: how the collectives are waited for: "block" or "poll" (see :func:`wait_for`).
     """
 
     backend: str
     device: torch.device
     reduce: str = "auto"
+    wait: str = "poll"
 
 
 _FORCED = threading.local()
@@ -64,12 +77,23 @@ def backend_of(group: Any) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+def _serving(backend: str, device_type: str) -> str:
+    """The backend that serves tensors of ``device_type``: ``backend`` itself, or its entry for that device type."""
+    if ":" not in backend:
+        return backend
+    mapping = dict(part.split(":", 1) for part in backend.split(","))  # "cpu:gloo,cuda:nccl"
+    return mapping.get(device_type) or next(iter(mapping.values()))
+
+
+def wait_mode(backend: str, device_type: str) -> str:
+    """How to wait for a collective of ``backend`` on buffers of ``device_type``: "block" on gloo, else "poll"."""
+    return "block" if _serving(backend, device_type) == "gloo" else "poll"
+
+
 def buffer_device(backend: str, like: torch.device, current_cuda: Callable[[], int]) -> torch.device:
     """Where the buffers of a sync over ``backend`` live, for states whose first device is ``like``."""
     if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
-        mapping = dict(part.split(":", 1) for part in backend.split(","))
-        chosen = mapping.get(like.type) or next(iter(mapping.values()))
-        return buffer_device(chosen, like, current_cuda)
+        return buffer_device(_serving(backend, like.type), like, current_cuda)
     if backend == "nccl":
         return like if like.type == "cuda" else torch.device("cuda", current_cuda())
     if backend == "gloo":
@@ -91,13 +115,22 @@ def policy_for(group: Any, like: torch.device) -> TransportPolicy:
     if forced is not None:
         return forced
     backend = backend_of(group)
-    return TransportPolicy(backend, buffer_device(backend, like, torch.cuda.current_device), reduce_mode())
+    device = buffer_device(backend, like, torch.cuda.current_device)
+    return TransportPolicy(backend, device, reduce_mode(), wait_mode(backend, device.type))
+
+
+def wait_mode_for(group: Any, device: torch.device) -> str:
+    """How to wait for a collective over ``group`` on buffers of ``device`` (a forced policy's mode, in tests)."""
+    forced: TransportPolicy | None = getattr(_FORCED, "policy", None)
+    if forced is not None:
+        return forced.wait
+    return wait_mode(backend_of(group), device.type)
 
 
 @contextlib.contextmanager
 def forced(**fields: Any) -> Generator[TransportPolicy, None, None]:
     """Use a policy with ``fields`` replaced (in this thread) for the syncs inside the block: tests."""
-    base = TransportPolicy("gloo", torch.device("cpu"), "auto")
+    base = TransportPolicy("gloo", torch.device("cpu"), "auto", "block")
     policy = replace(base, **fields)
     previous = getattr(_FORCED, "policy", None)
     _FORCED.policy = policy
@@ -118,16 +151,24 @@ def wait_for(
     slow_after: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    mode: str = "poll",
 ) -> bool:
-    """Wait for ``work`` by polling; False when ``timeout`` seconds passed first (the work stays pending).
+    """Wait for ``work``; False when ``timeout`` seconds passed first (the work stays pending).
 
-    ``on_slow`` runs once after ``slow_after`` seconds of waiting. A work that completed with an error raises
-    :class:`PeerFailedError` from the backend's error. No timeout is ever passed to ``work.wait``.
+    ``mode`` is "block" (a timed ``work.wait``, only where it has no side effects: gloo) or "poll" (``is_completed``
+    checks, then an untimed ``work.wait``). ``on_slow`` runs once after ``slow_after`` seconds of waiting. A work that
+    completed with an error raises :class:`PeerFailedError` from the backend's error.
     """
+    if mode == "block":
+        return _wait_blocking(work, timeout, on_slow, slow_after, clock)
     start = clock()
     interval = POLL_FIRST
     slow_called = on_slow is None
+    checks = 0
     while not work.is_completed():
+        checks += 1
+        if checks <= POLL_SPINS:
+            continue
         waited = clock() - start
         if timeout is not None and waited >= timeout:
             return False
@@ -136,8 +177,40 @@ def wait_for(
             on_slow()  # type: ignore[misc]
         sleep(interval if timeout is None else min(interval, max(timeout - waited, 0.0)))
         interval = min(interval * POLL_GROWTH, POLL_MAX)
+    _wait_completed(work)  # on NCCL it orders the current stream after the collective
+    return True
+
+
+def _wait_completed(work: Any) -> None:
+    """``work.wait()`` on a completed work: returns at once, or raises the backend's error as PeerFailedError."""
     try:
-        work.wait()  # completed: returns at once (on NCCL it orders the current stream after the collective)
+        work.wait()
     except RuntimeError as err:
         raise PeerFailedError(str(err)) from err
-    return True
+
+
+def _wait_blocking(
+    work: Any, timeout: float | None, on_slow: Callable[[], None] | None, slow_after: float, clock: Callable[[], float]
+) -> bool:
+    start = clock()
+    while True:
+        waited = clock() - start
+        if timeout is not None and waited >= timeout:
+            return False
+        if on_slow is not None and waited >= slow_after:
+            on_slow()
+            on_slow = None
+        limits = [timeout - waited] if timeout is not None else []
+        limits += [slow_after - waited] if on_slow is not None else []
+        try:
+            if limits:
+                work.wait(datetime.timedelta(seconds=max(min(limits), MIN_SLICE)))
+            else:
+                work.wait()
+            return True
+        except RuntimeError:
+            if work.is_completed():  # it failed (a peer), or completed just after the slice expired
+                _wait_completed(work)
+                return True
+            # The slice expired ("Operation timed out!"): the work is untouched and still pending.
+

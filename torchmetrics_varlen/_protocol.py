@@ -14,6 +14,7 @@ Every sync runs the same steps on every rank, whatever each holds (see :mod:`tor
 No rank branches on its local data before step 3, so no rank can skip a collective its peers issue.
 """
 
+import array
 import functools
 import threading
 import zlib
@@ -165,7 +166,8 @@ def describe(
 def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     """This rank's data laid out as the plan lays out dense groups (by dtype, 16-byte aligned), as int64 words.
 
-    None when the entries are not all small non-empty CPU tensors: then the record carries no data.
+    None when the entries are not all small non-empty CPU tensors: then the record carries no data. This runs on every
+    small sync (a per-step metric), so the bytes are read through numpy, not assembled with tensor operations.
     """
     tensors = [entry for entry in entries if isinstance(entry, Tensor) and entry.numel() > 0]
     if not tensors or len(tensors) != len(entries):
@@ -175,12 +177,25 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     groups, total = dense_layout((index, t.dtype, t.numel()) for index, t in enumerate(tensors))
     if total > INLINE_MAX_BYTES:
         return None
-    buffer = torch.zeros(total, dtype=torch.uint8)
-    with torch.no_grad():
-        for group in groups:
-            flat = [tensors[index].reshape(-1) for index in group.indices]
-            torch.cat(flat, out=buffer[group.start : group.start + group.nbytes].view(group.dtype))
-    return buffer.view(torch.int64).tolist()  # type: ignore[no-any-return]
+    data = bytearray()
+    for group in groups:
+        data += bytes(group.start - len(data))  # the alignment padding before the group
+        for index in group.indices:
+            data += _raw_bytes(tensors[index])
+    data += bytes(total - len(data))
+    return array.array("q", data).tolist()
+
+
+def _raw_bytes(tensor: Tensor) -> bytes:
+    """The elements of a CPU tensor in row-major order, as bytes."""
+    tensor = tensor.detach()
+    if tensor.dtype in _NUMPY_DTYPES:
+        return tensor.numpy().tobytes()  # type: ignore[no-any-return]  # row-major, whatever the strides
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[no-any-return]  # bfloat16, float8
+
+
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+_NUMPY_DTYPES |= {torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
 
 
 MIXED_ITEMS = 15  # the ndim word of a list whose items do not concatenate to one tensor (``_item_shape_slots``)

@@ -1,7 +1,8 @@
 """The collectives of a sync: metadata exchange, padded gather, all-reduce, gather to one rank, broadcast.
 
-Each is started asynchronously and waited for through :func:`torchmetrics_varlen._policy.wait_for` (polling, never a
-timed ``wait``), so every collective of the package has the same timeout behaviour on every backend:
+Each is started asynchronously and waited for through :func:`torchmetrics_varlen._policy.wait_for` (a timed wait on
+gloo, polling elsewhere: see :mod:`torchmetrics_varlen._policy`), so every collective of the package has the same
+timeout behaviour on every backend:
 
 * a rank late by less than the sync timeout never causes an error;
 * a rank that never arrives makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncTimeoutError` naming it
@@ -12,6 +13,7 @@ timed ``wait``), so every collective of the package has the same timeout behavio
 Collectives are looked up on ``torch.distributed`` at call time, so tests can count them by wrapping those functions.
 """
 
+import array
 import os
 import threading
 from collections.abc import Callable
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchmetrics_varlen import _protocol
-from torchmetrics_varlen._policy import PeerFailedError, wait_for
+from torchmetrics_varlen._policy import PeerFailedError, wait_for, wait_mode_for
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -54,8 +56,10 @@ def default_timeout() -> float | None:
     return value if value > 0 else None
 
 
-def _finish(work: Any, group: ProcessGroup | None, timeout: float | None, what: str, note: str | None = None) -> None:
-    """Wait for ``work``; raise SyncTimeoutError / SyncPeerError naming what and who."""
+def _finish(
+    work: Any, group: ProcessGroup | None, device: torch.device, timeout: float | None, what: str, note: str | None = None
+) -> None:
+    """Wait for ``work`` (a collective on buffers of ``device``); raise SyncTimeoutError / SyncPeerError naming it."""
     noted: list[Any] = []  # the store, once this rank noted where it waits (a quick sync never touches it)
 
     def write_note() -> None:
@@ -63,7 +67,8 @@ def _finish(work: Any, group: ProcessGroup | None, timeout: float | None, what: 
         _set_note(noted[0], note)
 
     try:
-        done = wait_for(work, timeout, write_note if note is not None else None, NOTE_AFTER)
+        mode = wait_mode_for(group, device)
+        done = wait_for(work, timeout, write_note if note is not None else None, NOTE_AFTER, mode=mode)
     except PeerFailedError as err:
         raise SyncPeerError(_peer_message(what, group, str(err))) from err.__cause__
     if done and noted:
@@ -103,8 +108,9 @@ def exchange_records(
         number = _SYNC_NUMBERS[tag] = _SYNC_NUMBERS.get(tag, 0) + 1
     note = f"{tag}|{number}|{what}"
     table = _exchange_at(record, words, group, device, timeout, what, note)
-    ours = bool((table[:, _protocol.H_MAGIC] == _protocol.MAGIC).all())  # else make_plan raises, naming the ranks
-    needed = int(table[:, _protocol.H_WORDS].max()) if ours else words
+    heads = table.numpy()  # the header checks of every sync: numpy is several times quicker than torch on a few words
+    ours = bool((heads[:, _protocol.H_MAGIC] == _protocol.MAGIC).all())  # else make_plan raises, naming the ranks
+    needed = int(heads[:, _protocol.H_WORDS].max()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
         table = _exchange_at(record, needed, group, device, timeout, what, note)
     with _LOCK:
@@ -115,11 +121,12 @@ def exchange_records(
 def _exchange_at(
     record: list[int], words: int, group: Any, device: torch.device, timeout: float | None, what: str, note: str
 ) -> Tensor:
-    padded = record[:words] + [0] * (words - len(record))
-    local = torch.tensor(padded, dtype=torch.int64, device=device)
+    padded = array.array("q", record[:words])
+    padded.extend([0] * (words - len(padded)))
+    local = torch.frombuffer(padded, dtype=torch.int64).to(device)  # no copy on the CPU
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)
-    _finish(_gather_equal(table, local, group), group, timeout, what, note)
+    _finish(_gather_equal(table, local, group), group, device, timeout, what, note)
     return table.view(world_size, words).cpu()
 
 
@@ -128,7 +135,7 @@ def gather_rows(buffer: Tensor, group: ProcessGroup | None, timeout: float | Non
     """Every rank's ``uint8`` buffer (equal sizes) as a ``[world_size, bytes]`` tensor."""
     world_size = dist.get_world_size(group)
     output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
-    _finish(_gather_equal(output, buffer, group), group, timeout, what)
+    _finish(_gather_equal(output, buffer, group), group, buffer.device, timeout, what)
     return output.view(world_size, buffer.numel())
 
 
@@ -141,8 +148,8 @@ def all_reduce(buffers: list[tuple[Tensor, int]], group: ProcessGroup | None, ti
         dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
         for buffer, op in buffers
     ]
-    for work in works:
-        _finish(work, group, timeout, what)
+    for work, (buffer, _) in zip(works, buffers):
+        _finish(work, group, buffer.device, timeout, what)
 
 
 def _global_rank(group: Any, rank: int) -> int:
@@ -156,7 +163,8 @@ def gather_to_rank(buffer: Tensor, dst: int, group: Any, timeout: float | None, 
     if rank == dst:
         output = torch.empty(dist.get_world_size(group), buffer.numel(), dtype=torch.uint8, device=buffer.device)
         rows = list(output.unbind(0))
-    _finish(dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True), group, timeout, what)
+    work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True)
+    _finish(work, group, buffer.device, timeout, what)
     return output
 
 
@@ -165,19 +173,22 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any, device: torch.devi
     rank = dist.get_rank(group)
     what = f"broadcast of the result from rank {src}"
     size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
-    _finish(dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, timeout, what)
+    _finish(dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, device, timeout, what)
     if rank == src:
         assert data is not None
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _finish(dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True), group, timeout, what)
+    work = dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True)
+    _finish(work, group, device, timeout, what)
     return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
 
 
-def run_collective(start: Callable[[], Any], group: Any, timeout: float | None, what: str) -> None:
-    """Start a collective (``start`` returns its work object) and wait for it as every collective here is waited."""
-    _finish(start(), group, timeout, what)
+def run_collective(
+    start: Callable[[], Any], group: Any, device: torch.device, timeout: float | None, what: str
+) -> None:
+    """Start a collective on buffers of ``device`` (``start`` returns its work) and wait for it like every other."""
+    _finish(start(), group, device, timeout, what)
 
 
 # ------------------------------------------------------------------------------ who is waiting where (timeouts)
