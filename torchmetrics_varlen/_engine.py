@@ -41,15 +41,16 @@ class Synced:
     rank: int
 
 
-def iter_tensors(entries: Sequence[LocalEntry]) -> list[Tensor]:
-    """The tensors of ``entries``, in order (list items flattened)."""
-    out: list[Tensor] = []
+def first_device(entries: Sequence[LocalEntry]) -> torch.device:
+    """The device of the first tensor among ``entries`` (list items included), else the CPU."""
     for entry in entries:
         if isinstance(entry, Tensor):
-            out.append(entry)
-        elif isinstance(entry, list):
-            out.extend(t for t in entry if isinstance(t, Tensor))
-    return out
+            return entry.device
+        if isinstance(entry, list):
+            for item in entry:
+                if isinstance(item, Tensor):
+                    return item.device
+    return torch.device("cpu")
 
 
 def entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
@@ -99,7 +100,7 @@ def run(
     world = _transport.world_of(group)
     assert world is not None
     rank, _ = world
-    like = next((t.device for t in iter_tensors(entries)), torch.device("cpu"))
+    like = first_device(entries)
     policy = _policy.policy_for(group, like)
     what = f"sync of {label}"
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
@@ -115,7 +116,7 @@ def run(
     plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
     devices = [entry_device(entry, like) for entry in entries]
     if plan.inline:  # the data came with the records: cut it out of the table
-        rows = table[:, described:].contiguous().view(torch.uint8)
+        rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
         return Synced(plan, _buffers.unpack(rows, plan, devices, cat), rank)
     step = _Step(entries, plan, group, rank, policy.device, devices, cat, timeout, what, dst)
     if plan.differentiable:

@@ -96,9 +96,10 @@ def context_hash(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def _encode_label(label: str) -> list[int]:
+@functools.lru_cache(maxsize=256)
+def _encode_label(label: str) -> tuple[int, ...]:
     raw = label.encode()[: 8 * LABEL_WORDS].ljust(8 * LABEL_WORDS, b"\0")
-    return [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+    return tuple(int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8))
 
 
 def _decode_label(words: Sequence[int]) -> str:
@@ -136,26 +137,22 @@ def describe(
     error, error_entry = ERR_NONE, -1
     slots: list[int] = []
     for index, entry in enumerate(entries):
-        slot = [0] * SLOT_LEN
-        slot[E_AUX] = aux[index] if aux is not None else 0
+        word = aux[index] if aux is not None else 0
         if isinstance(entry, Ref):
-            slot[E_KIND], slot[E_ITEMS] = KIND_REF, entry.index
-            slots.extend(_pack_slot(slot))
+            slots += _pack_slot(KIND_REF, 0, 0, entry.index, word, ())
             continue
         problem = _entry_problem(entry)
-        if problem != ERR_NONE and error == ERR_NONE:
-            error, error_entry = problem, index
-        if problem == ERR_NONE and isinstance(entry, Tensor):
-            slot[E_KIND], slot[E_DTYPE] = KIND_TENSOR, _DTYPE_CODE[entry.dtype]
-            slot[E_NUMEL], slot[E_ITEMS] = entry.numel(), 1
-            slot[E_NDIM:] = shape_slots(entry.shape)
-        elif problem == ERR_NONE:
+        if problem != ERR_NONE:
+            error, error_entry = (problem, index) if error == ERR_NONE else (error, error_entry)
+            slots += _pack_slot(0, 0, 0, 0, word, ())
+        elif isinstance(entry, Tensor):
+            slots += _pack_slot(KIND_TENSOR, _DTYPE_CODE[entry.dtype], entry.numel(), 1, word, entry.shape)
+        else:
             nonempty = [t for t in entry if t.numel() > 0]
             dtype_code = _DTYPE_CODE[(nonempty or entry)[0].dtype] if entry else 0
-            slot[E_KIND], slot[E_DTYPE], slot[E_ITEMS] = KIND_LIST, dtype_code, len(entry)
-            slot[E_NUMEL] = sum(t.numel() for t in entry)
-            slot[E_NDIM:] = _item_shape_slots(entry)  # type: ignore[arg-type]  # a list here
-        slots.extend(_pack_slot(slot))
+            numel = sum(t.numel() for t in entry)
+            shape_words = _item_shape_slots(entry)
+            slots += _pack_slot(KIND_LIST, dtype_code, numel, len(entry), word, shape_words[1:], shape_words[0])
     data = _inline_words(entries) if inline and error == ERR_NONE else None
     flags |= FLAG_INLINE if data is not None else 0
     words = record_words(len(entries)) + (len(data) if data is not None else 0)
@@ -169,10 +166,12 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     None when the entries are not all small non-empty CPU tensors: then the record carries no data. This runs on every
     small sync (a per-step metric), so the bytes are read through numpy, not assembled with tensor operations.
     """
-    tensors = [entry for entry in entries if isinstance(entry, Tensor) and entry.numel() > 0]
-    if not tensors or len(tensors) != len(entries):
-        return None
-    if any(t.device.type != "cpu" or t.dtype.itemsize > 8 for t in tensors):
+    tensors: list[Tensor] = []
+    for entry in entries:
+        if not isinstance(entry, Tensor) or entry.numel() == 0 or entry.device.type != "cpu" or entry.dtype.itemsize > 8:
+            return None
+        tensors.append(entry)
+    if not tensors:
         return None
     groups, total = dense_layout((index, t.dtype, t.numel()) for index, t in enumerate(tensors))
     if total > INLINE_MAX_BYTES:
@@ -217,10 +216,14 @@ def _item_shape_slots(items: Sequence[Tensor]) -> list[int]:
     return shape_slots((0, *trailing.pop()))
 
 
-def _pack_slot(slot: list[int]) -> list[int]:
-    dims = slot[E_DIMS:]
-    head = slot[E_KIND] | slot[E_DTYPE] << 2 | slot[E_NDIM] << 8 | slot[E_ITEMS] << 12
-    return [head, slot[E_NUMEL], slot[E_AUX], *(dims[i] | dims[i + 1] << 32 for i in range(0, MAX_NDIM, 2))]
+def _pack_slot(
+    kind: int, dtype_code: int, numel: int, items: int, aux: int, dims: Sequence[int], ndim: int | None = None
+) -> tuple[int, ...]:
+    """An entry's slot as it travels (see ``W_*``); ``ndim`` defaults to ``len(dims)``."""
+    ndim = len(dims) if ndim is None else ndim
+    d = (*dims, 0, 0, 0, 0, 0, 0)  # at most MAX_NDIM dims, padded with zeros
+    head = kind | dtype_code << 2 | ndim << 8 | items << 12
+    return head, numel, aux, d[0] | d[1] << 32, d[2] | d[3] << 32, d[4] | d[5] << 32
 
 
 def unpack_slots(packed: Tensor) -> Tensor:
@@ -240,7 +243,7 @@ def _entry_problem(entry: Entry) -> int:
             return ERR_DTYPE
         if entry.ndim > MAX_NDIM:
             return ERR_NDIM
-        return ERR_DIM if any(size > MAX_DIM for size in entry.shape) else ERR_NONE
+        return ERR_DIM if max(entry.shape, default=0) > MAX_DIM else ERR_NONE
     if not isinstance(entry, list):
         return ERR_NOT_TENSOR
     dtypes = set()

@@ -13,7 +13,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +66,16 @@ class Layout:
 
 def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
     """The layout of a sync of ``metrics``; ``values`` replaces their current states (one dict per metric)."""
-    keys = [(index, name) for index, metric in enumerate(metrics) for name in state_names(metric)]
-    states = [values[index][name] if values else getattr(metrics[index], name) for index, name in keys]
-    reductions = [metrics[index]._reductions[name] for index, name in keys]
+    keys: list[tuple[int, str]] = []
+    states: list[Any] = []
+    reductions: list[Any] = []
+    for index, metric in enumerate(metrics):
+        for name, reduction in metric._reductions.items():  # the synced states, in registration order
+            keys.append((index, name))
+            states.append(values[index][name] if values else getattr(metric, name))
+            reductions.append(reduction)
     ops = [_OPS.get(fn, _protocol.OP_NONE) for fn in reductions]
     aux = [metrics[i]._update_count if op == _protocol.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
-    graph = any(_carries_graph(value) if isinstance(value, (Tensor, list)) else False for value in states)
     return Layout(
         keys=keys,
         entries=entries_sharing_objects(states),
@@ -80,7 +84,7 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
         ops=ops,
         cat=[fn is dim_zero_cat for fn in reductions],
         aux=aux,
-        graph=graph,
+        graph=any(_carries_graph(value) for value in states),
     )
 
 
@@ -109,8 +113,7 @@ def sync_states(
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
-    names = [f"{type(metrics[index]).__name__}.{name}" for index, name in layout.keys]
-    reduced = reduce_results(layout, synced, names)
+    reduced = reduce_results(layout, synced, lambda position: state_label(metrics, layout, position))
     out: list[StateDict] = [{} for _ in metrics]
     for (index, name), value in zip(layout.keys, reduced):
         out[index][name] = value
@@ -145,9 +148,16 @@ def run_layout(
     )
 
 
-def reduce_results(layout: Layout, synced: "_engine.Synced", names: Sequence[str]) -> list[Any]:
+def state_label(metrics: Sequence[StockMetric], layout: Layout, position: int) -> str:
+    """``"<metric class>.<state>"`` of the entry at ``position``: error messages."""
+    index, name = layout.keys[position]
+    return f"{type(metrics[index]).__name__}.{name}"
+
+
+def reduce_results(layout: Layout, synced: "_engine.Synced", where: Callable[[int], str]) -> list[Any]:
     """Reduce every entry's result with its reduction, as stock does with the gathered states.
 
+    ``where`` names the state at a position, for error messages.
     ``synced.results`` is emptied as it goes (memory). Outside a differentiable sync, the local slot gets this rank's
     own objects back where they carry an autograd graph, as stock does.
     """
@@ -161,7 +171,7 @@ def reduce_results(layout: Layout, synced: "_engine.Synced", names: Sequence[str
             reduced.append(reduced[local.index])
             continue
         own = local if keep_graph and not isinstance(local, Ref) else None
-        reduced.append(reduce_state(result, reduction, op, own, rank, plan, names[position], position))
+        reduced.append(reduce_state(result, reduction, op, own, rank, plan, where, position))
     return reduced
 
 
@@ -188,7 +198,7 @@ def reduce_state(
     own: LocalEntry | None,
     rank: int,
     plan: Plan,
-    where: str,
+    where: Callable[[int], str],
     index: int,
 ) -> Any:
     """Combine one state's per-rank values the way torchmetrics does after its gather."""
@@ -234,7 +244,7 @@ def reduce_state(
     if len(shapes) > 1:
         listing = ", ".join(f"rank {r}: {tuple(t.shape)}" for r, t in enumerate(tensors))
         raise SyncMismatchError(
-            f"Expected state `{where}` to have the same shape on every rank (its reduction stacks them) but got"
+            f"Expected state `{where(index)}` to have the same shape on every rank (its reduction stacks them) but got"
             f" {listing}. Use dist_reduce_fx='cat' or a list state for data whose size differs between ranks."
         )
     stacked = torch.stack(tensors)
@@ -244,7 +254,7 @@ def reduce_state(
 def _carries_graph(own: LocalEntry | None) -> bool:
     if isinstance(own, Tensor):
         return own.requires_grad
-    return isinstance(own, list) and any(item.requires_grad for item in own)
+    return isinstance(own, list) and any(isinstance(item, Tensor) and item.requires_grad for item in own)
 
 
 _MEAN_WARNED: "weakref.WeakKeyDictionary[StockMetric, set[str]]" = weakref.WeakKeyDictionary()

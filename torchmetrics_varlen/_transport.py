@@ -57,7 +57,12 @@ def default_timeout() -> float | None:
 
 
 def _finish(
-    work: Any, group: ProcessGroup | None, device: torch.device, timeout: float | None, what: str, note: str | None = None
+    work: Any,
+    group: ProcessGroup | None,
+    device: torch.device,
+    timeout: float | None,
+    what: str,
+    note: str | None = None,
 ) -> None:
     """Wait for ``work`` (a collective on buffers of ``device``); raise SyncTimeoutError / SyncPeerError naming it."""
     noted: list[Any] = []  # the store, once this rank noted where it waits (a quick sync never touches it)
@@ -108,13 +113,16 @@ def exchange_records(
         number = _SYNC_NUMBERS[tag] = _SYNC_NUMBERS.get(tag, 0) + 1
     note = f"{tag}|{number}|{what}"
     table = _exchange_at(record, words, group, device, timeout, what, note)
-    heads = table.numpy()  # the header checks of every sync: numpy is several times quicker than torch on a few words
-    ours = bool((heads[:, _protocol.H_MAGIC] == _protocol.MAGIC).all())  # else make_plan raises, naming the ranks
-    needed = int(heads[:, _protocol.H_WORDS].max()) if ours else words
+    # Every sync runs these checks: on a few words, Python lists are several times quicker than tensor operations.
+    heads = table.numpy()
+    magic = heads[:, _protocol.H_MAGIC].tolist()
+    ours = magic.count(_protocol.MAGIC) == len(magic)  # else make_plan raises, naming the ranks
+    needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
         table = _exchange_at(record, needed, group, device, timeout, what, note)
-    with _LOCK:
-        _AGREED_WORDS[tag] = max(min(needed, MAX_WORDS), words)
+    if needed > words:
+        with _LOCK:
+            _AGREED_WORDS[tag] = max(min(needed, MAX_WORDS), _AGREED_WORDS.get(tag, words))
     return table[:, : max(min(needed, table.shape[1]), _protocol.HEADER_LEN)]
 
 
@@ -122,7 +130,7 @@ def _exchange_at(
     record: list[int], words: int, group: Any, device: torch.device, timeout: float | None, what: str, note: str
 ) -> Tensor:
     padded = array.array("q", record[:words])
-    padded.extend([0] * (words - len(padded)))
+    padded.frombytes(bytes(8 * (words - len(padded))))
     local = torch.frombuffer(padded, dtype=torch.int64).to(device)  # no copy on the CPU
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)
@@ -173,7 +181,9 @@ def broadcast_bytes(data: bytes | None, src: int, group: Any, device: torch.devi
     rank = dist.get_rank(group)
     what = f"broadcast of the result from rank {src}"
     size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
-    _finish(dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, device, timeout, what)
+    _finish(
+        dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, device, timeout, what
+    )
     if rank == src:
         assert data is not None
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)

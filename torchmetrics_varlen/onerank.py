@@ -15,6 +15,7 @@ data set (AUROC, retrieval, ``cat`` states in general) can be computed on large 
 holding the whole set. This module calls no collective itself.
 """
 
+import functools
 import io
 import warnings
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
 from torchmetrics_varlen import _engine, _policy, _transport
-from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, sync_layout
+from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, state_label, sync_layout
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["compute_on_rank"]
@@ -114,7 +115,7 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
     assert synced is not None  # no `stop` given
     outcome = _compute_here(metric, layout, synced) if rank == dst else None
-    like = next((t.device for t in _engine.iter_tensors(layout.entries)), torch.device("cpu"))
+    like = _engine.first_device(layout.entries)
     device = _policy.policy_for(group, like).device
     ok, value = _share_outcome(outcome, dst, group, device, metric, timeout)
     if not ok:
@@ -131,8 +132,8 @@ def _compute_here(metric: StockMetric, layout: Layout, synced: "_engine.Synced")
     """
     try:
         names = [name for _, name in layout.keys]
-        labels = [f"{type(metric).__name__}.{name}" for name in names]
-        states = dict(zip(names, reduce_results(layout, synced, labels)))
+        where = functools.partial(state_label, [metric], layout)
+        states = dict(zip(names, reduce_results(layout, synced, where)))
         saved = {name: getattr(metric, name) for name in names}
         try:
             for name in names:
