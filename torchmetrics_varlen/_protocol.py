@@ -168,7 +168,9 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     """
     tensors: list[Tensor] = []
     for entry in entries:
-        if not isinstance(entry, Tensor) or entry.numel() == 0 or entry.device.type != "cpu" or entry.dtype.itemsize > 8:
+        if not isinstance(entry, Tensor) or entry.numel() == 0:
+            return None
+        if entry.device.type != "cpu" or entry.dtype.itemsize > 8:
             return None
         tensors.append(entry)
     if not tensors:
