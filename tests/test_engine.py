@@ -381,3 +381,64 @@ def test_collective_budget_whatever_the_states(world, with_cat):
     assert collectives <= 3, (collectives, [group.op for group in plan.reduce_groups], plan.max_bytes)
     if world >= 256:
         assert plan.reduce_groups  # on many ranks the sums do go by all-reduce
+
+
+class ManySums(Metric):
+    """20 scalar sum states: a record of 140 words, longer than a group's first record length."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for i in range(20):
+            self.add_state(f"s{i}", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, x):
+        for i in range(20):
+            setattr(self, f"s{i}", getattr(self, f"s{i}") + x.sum() * (i + 1))
+
+    def compute(self):
+        return torch.stack([getattr(self, f"s{i}") for i in range(20)])
+
+
+def body_record_lengths(rank, world_size):
+    from torchmetrics_varlen import _transport
+
+    group = dist.new_group()  # a group of its own: its record length starts at the first one
+    small = rebase(BinaryAccuracy)(process_group=group)
+    small.update(torch.tensor([0.9, 0.2, 0.7][: rank + 1]), torch.tensor([1, 0, 0][: rank + 1]))
+    wide = ManySums(process_group=group)
+    wide.update(torch.arange(rank + 2, dtype=torch.float32))
+    log = []
+
+    def sync(metric):
+        metric._computed = None
+        with count_collectives() as counts, count_received_bytes() as received:
+            value = metric.compute()
+        log.append((type(metric).__name__, sum(counts.values()), received[0]))
+        return value
+
+    values = {"small": sync(small), "wide": sync(wide)}  # syncs 1 and 2
+    # The window of syncs 1-64 holds the wide one, so the length stays until the next window ends, after sync 128.
+    for _ in range(2 * _transport.RECORD_WINDOW - 1):  # syncs 3 .. 129
+        sync(small)
+    sync(wide)  # after the window: the length shrank, the wide record needs a second exchange again
+    return {"log": log, "values": values, "first": _transport.INITIAL_WORDS, "window": _transport.RECORD_WINDOW}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_records_are_sized_to_the_sync_and_shrink_after_a_window(world_size):
+    results = run_distributed(body_record_lengths, world_size)
+    single_small, single_wide = BinaryAccuracy(), ManySums()
+    for rank in range(world_size):
+        single_small.update(torch.tensor([0.9, 0.2, 0.7][: rank + 1]), torch.tensor([1, 0, 0][: rank + 1]))
+        single_wide.update(torch.arange(rank + 2, dtype=torch.float32))
+    first, wide_words = results[0]["first"] * 8, (10 + 20 * 6 + 10) * 8  # 20 float32 sums ride in 10 words
+    for result in results:
+        assert torch.equal(result["values"]["small"], single_small.compute())
+        torch.testing.assert_close(result["values"]["wide"], single_wide.compute())
+        log = result["log"]
+        assert log[0] == ("BinaryAccuracy", 1, world_size * first)  # one exchange at the first length is the sync
+        assert log[1] == ("ManySums", 2, world_size * (first + wide_words))  # a second exchange, at the longest length
+        assert log[2] == ("BinaryAccuracy", 1, world_size * wide_words)  # the group keeps the longer length ...
+        assert log[2 * result["window"] - 1] == log[2]  # ... through the window after the one that needed it ...
+        assert log[-2] == ("BinaryAccuracy", 1, world_size * first)  # ... until the window ends
+        assert log[-1] == log[1]

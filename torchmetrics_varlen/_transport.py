@@ -17,6 +17,7 @@ import array
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,14 +93,44 @@ def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> 
 # ------------------------------------------------------------------------------------------------- metadata
 # Records are as long as the sync needs, but a collective needs one size on every rank, whatever each rank syncs.
 # So each group has an agreed record length, equal on all its ranks because each rank derives it from the tables
-# that all ranks saw: records are sent at that length (room for 30 entries at first, 1.5 KB); when a header (always
-# within it) says that some rank needs more, every rank exchanges again at the longest length, and the group keeps
-# that length from then on. It only grows: a job that alternates a large sync (a collection) with small ones (a
-# per-step metric) pays the second exchange once, not at every large sync.
-INITIAL_WORDS = _protocol.record_words(30)
+# that all ranks saw (every rank of a group runs the same syncs in the same order):
+#
+# * records are sent at that length, at first 464 bytes (8 entries, or fewer with the data they carry);
+# * when a header (always within it) says that some rank needs more, every rank exchanges again at the longest
+#   length, and the group keeps it;
+# * every RECORD_WINDOW syncs the length shrinks to the longest record of that window (never below the first one).
+#
+# So the metadata of a per-step metric is as small as its records, and a job that alternates a large sync (a
+# collection at the end of an epoch) with many small ones pays the second exchange once per large sync at most.
+INITIAL_WORDS = _protocol.record_words(8)
 MAX_WORDS = _protocol.record_words(1 << 16)  # a larger "need" is not a record of ours: make_plan names the ranks
-_AGREED_WORDS: dict[str, int] = {}
-_SYNC_NUMBERS: dict[str, int] = {}
+RECORD_WINDOW = 64
+
+
+@dataclass
+class _RecordLength:
+    """A group's agreed record length and what the current window of syncs needed (the same on all its ranks)."""
+
+    words: int = INITIAL_WORDS
+    longest: int = 0  # the longest record of the current window
+    left: int = RECORD_WINDOW  # syncs left in the window
+    syncs: int = 0  # syncs of this group so far: numbers the "where I wait" notes
+
+    def next_sync(self) -> tuple[int, int]:
+        """The length to send at, and the sync's number."""
+        self.syncs += 1
+        return self.words, self.syncs
+
+    def saw(self, needed: int) -> None:
+        """Every rank saw that the longest record of this sync has ``needed`` words."""
+        self.words = max(self.words, needed)
+        self.longest = max(self.longest, needed)
+        self.left -= 1
+        if self.left == 0:
+            self.words, self.longest, self.left = max(self.longest, INITIAL_WORDS), 0, RECORD_WINDOW
+
+
+_LENGTHS: dict[str, _RecordLength] = {}
 _LOCK = threading.Lock()  # the Join worker thread syncs on its own group while the main thread syncs on others
 
 
@@ -109,8 +140,8 @@ def exchange_records(
     """Collective 1 (rarely 2): every rank's record, as a ``[world_size, words]`` int64 CPU tensor."""
     tag = _group_tag(group)
     with _LOCK:
-        words = _AGREED_WORDS.get(tag, INITIAL_WORDS)
-        number = _SYNC_NUMBERS[tag] = _SYNC_NUMBERS.get(tag, 0) + 1
+        length = _LENGTHS.setdefault(tag, _RecordLength())
+        words, number = length.next_sync()
     note = f"{tag}|{number}|{what}"
     table = _exchange_at(record, words, group, device, timeout, what, note)
     # Every sync runs these checks: on a few words, Python lists are several times quicker than tensor operations.
@@ -120,9 +151,8 @@ def exchange_records(
     needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
         table = _exchange_at(record, needed, group, device, timeout, what, note)
-    if needed > words:
-        with _LOCK:
-            _AGREED_WORDS[tag] = max(min(needed, MAX_WORDS), _AGREED_WORDS.get(tag, words))
+    with _LOCK:
+        length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table[:, : max(min(needed, table.shape[1]), _protocol.HEADER_LEN)]
 
 

@@ -98,7 +98,8 @@ class MetricCollection(StockMetricCollection):
             local = {name: vars(metric)[name] for name in states}
             try:
                 _set_states(metric, states)
-                metric._computed = Metric._finish(type(metric).compute(metric))  # the unwrapped compute
+                computed = Metric._finish(type(metric).compute(metric))  # the unwrapped compute
+                vars(metric)["_computed"] = computed  # a plain attribute, as `_set_states` explains
             finally:
                 _set_states(metric, local)
             if not metric.compute_with_cache:
@@ -107,7 +108,7 @@ class MetricCollection(StockMetricCollection):
             yield
         finally:
             for metric in uncached:
-                metric._computed = None
+                vars(metric)["_computed"] = None
 
 
 def _set_states(metric: StockMetric, states: dict[str, Any]) -> None:
