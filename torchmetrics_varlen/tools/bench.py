@@ -208,8 +208,8 @@ def _ratio_rows(cases: list[Case]) -> list[Case]:
 def format_table(rows: list[Case], world_size: int, repeats: int) -> str:
     """Markdown-style table of the results."""
     lines = [
-        f"Sync benchmark: {world_size} gloo CPU processes, median of {repeats} syncs ({SMALL_SYNC_REPEATS} for 1-5 small"
-        " metrics), rank 0's timings",
+        f"Sync benchmark: {world_size} gloo CPU processes, median of {repeats} syncs"
+        f" ({SMALL_SYNC_REPEATS} for 1-5 small metrics), rank 0's timings",
         "",
         f"| {'case':<40} | {'stock ms':>9} | {'stock coll.':>11} | {'ours ms':>8} | {'ours coll.':>10} |"
         f" {'speed-up':>8} | {'floor ms':>8} | {'ours/floor':>10} |",
