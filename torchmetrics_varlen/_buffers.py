@@ -178,11 +178,8 @@ def unpack(
         rows = torch.empty(world, 0, dtype=torch.uint8)
     for group in plan.groups:
         block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
-        start = 0
-        for index, numel in zip(group.indices, group.numels):
-            stacked = block[:, start : start + numel].reshape(world, *plan.entries[index].shape)
-            results[index] = Stacked(stacked.to(devices[index]))
-            start += numel
+        for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
+            results[index] = Stacked(part.reshape(world, *plan.entries[index].shape).to(devices[index]))
     for index, eplan in enumerate(plan.entries):
         if eplan.dense or eplan.route == ROUTE_REDUCE:
             continue

@@ -105,7 +105,7 @@ def run(
     what = f"sync of {label}"
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
     record = _protocol.describe(entries, context, label, flags, aux, inline)
-    table = _transport.exchange_records(record, group, policy.device, timeout, what)
+    table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
         return None
     words = table.numpy()
@@ -118,7 +118,7 @@ def run(
     if plan.inline:  # the data came with the records: cut it out of the table
         rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
         return Synced(plan, _buffers.unpack(rows, plan, devices, cat), rank)
-    step = _Step(entries, plan, group, rank, policy.device, devices, cat, timeout, what, dst)
+    step = _Step(entries, plan, group, rank, policy.device, policy.wait, devices, cat, timeout, what, dst)
     if plan.differentiable:
         return Synced(plan, _DifferentiableStep.run(step), rank)
     return Synced(plan, step.move(), rank)
@@ -133,6 +133,7 @@ class _Step:
     group: Any
     rank: int
     device: torch.device
+    wait: str  # how the collectives are waited for (the policy's)
     devices: list[torch.device]
     cat: Sequence[bool] | None
     timeout: float | None
@@ -145,14 +146,14 @@ class _Step:
         reduced = _buffers.pack_reduced(self.entries, plan, self.device)
         if reduced:
             ops = [group.op for group in plan.reduce_groups]
-            _transport.all_reduce(list(zip(reduced, ops)), self.group, self.timeout, self.what)
+            _transport.all_reduce(list(zip(reduced, ops)), self.group, self.wait, self.timeout, self.what)
         rows = None
         if plan.max_bytes > 0:
             buffer = _buffers.pack(self.entries, plan, self.rank, self.device)
             if self.dst is None:
-                rows = _transport.gather_rows(buffer, self.group, self.timeout, self.what)
+                rows = _transport.gather_rows(buffer, self.group, self.wait, self.timeout, self.what)
             else:
-                rows = _transport.gather_to_rank(buffer, self.dst, self.group, self.timeout, self.what)
+                rows = _transport.gather_to_rank(buffer, self.dst, self.group, self.wait, self.timeout, self.what)
         if self.dst is not None and self.rank != self.dst:
             return []
         results = _buffers.unpack(rows, plan, self.devices, self.cat)
@@ -254,7 +255,7 @@ class _DifferentiableStep(torch.autograd.Function):
             _transport.run_collective(
                 lambda: torch.distributed.all_reduce(flat, group=step.group, async_op=True),
                 step.group,
-                flat.device,
+                step.wait,
                 step.timeout,
                 f"backward of the {step.what}",
             )

@@ -132,14 +132,6 @@ def _policy(backend: str, like: torch.device, raw_reduce: str, current_cuda: int
     return TransportPolicy(backend, device, reduce_mode(raw_reduce), wait_mode(backend, device.type))
 
 
-def wait_mode_for(group: Any, device: torch.device) -> str:
-    """How to wait for a collective over ``group`` on buffers of ``device`` (a forced policy's mode, in tests)."""
-    forced: TransportPolicy | None = getattr(_FORCED, "policy", None)
-    if forced is not None:
-        return forced.wait
-    return wait_mode(backend_of(group), device.type)
-
-
 @contextlib.contextmanager
 def forced(**fields: Any) -> Generator[TransportPolicy, None, None]:
     """Use a policy with ``fields`` replaced (in this thread) for the syncs inside the block: tests."""

@@ -175,7 +175,7 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
         tensors.append(entry)
     if not tensors:
         return None
-    groups, total = dense_layout((index, t.dtype, t.numel()) for index, t in enumerate(tensors))
+    groups, total = _inline_layout(tuple((t.dtype, t.numel()) for t in tensors))
     if total > INLINE_MAX_BYTES:
         return None
     data = bytearray()
@@ -185,6 +185,12 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
             data += _raw_bytes(tensors[index])
     data += bytes(total - len(data))
     return array.array("q", data).tolist()
+
+
+@functools.lru_cache(maxsize=256)
+def _inline_layout(items: tuple[tuple[torch.dtype, int], ...]) -> "tuple[list[DenseGroup], int]":
+    """:func:`dense_layout` of ``(dtype, numel)`` items, kept: a per-step metric asks at every step (read only)."""
+    return dense_layout((index, dtype, numel) for index, (dtype, numel) in enumerate(items))
 
 
 def _raw_bytes(tensor: Tensor) -> bytes:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torchmetrics_varlen import _protocol
-from torchmetrics_varlen._policy import PeerFailedError, wait_for, wait_mode_for
+from torchmetrics_varlen._policy import PeerFailedError, wait_for
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -60,12 +60,12 @@ def default_timeout() -> float | None:
 def _finish(
     work: Any,
     group: ProcessGroup | None,
-    device: torch.device,
+    wait: str,
     timeout: float | None,
     what: str,
     note: str | None = None,
 ) -> None:
-    """Wait for ``work`` (a collective on buffers of ``device``); raise SyncTimeoutError / SyncPeerError naming it."""
+    """Wait for ``work`` the ``wait`` way (the policy's); raise SyncTimeoutError / SyncPeerError naming it."""
     noted: list[Any] = []  # the store, once this rank noted where it waits (a quick sync never touches it)
 
     def write_note() -> None:
@@ -73,8 +73,7 @@ def _finish(
         _set_note(noted[0], note)
 
     try:
-        mode = wait_mode_for(group, device)
-        done = wait_for(work, timeout, write_note if note is not None else None, NOTE_AFTER, mode=mode)
+        done = wait_for(work, timeout, write_note if note is not None else None, NOTE_AFTER, mode=wait)
     except PeerFailedError as err:
         raise SyncPeerError(_peer_message(what, group, str(err))) from err.__cause__
     if done and noted:
@@ -135,7 +134,7 @@ _LOCK = threading.Lock()  # the Join worker thread syncs on its own group while 
 
 
 def exchange_records(
-    record: list[int], group: ProcessGroup | None, device: torch.device, timeout: float | None, what: str
+    record: list[int], group: ProcessGroup | None, device: torch.device, wait: str, timeout: float | None, what: str
 ) -> Tensor:
     """Collective 1 (rarely 2): every rank's record, as a ``[world_size, words]`` int64 CPU tensor."""
     tag = _group_tag(group)
@@ -143,58 +142,67 @@ def exchange_records(
         length = _LENGTHS.setdefault(tag, _RecordLength())
         words, number = length.next_sync()
     note = f"{tag}|{number}|{what}"
-    table = _exchange_at(record, words, group, device, timeout, what, note)
+    table = _exchange_at(record, words, group, device, wait, timeout, what, note)
     # Every sync runs these checks: on a few words, Python lists are several times quicker than tensor operations.
     heads = table.numpy()
     magic = heads[:, _protocol.H_MAGIC].tolist()
     ours = magic.count(_protocol.MAGIC) == len(magic)  # else make_plan raises, naming the ranks
     needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
-        table = _exchange_at(record, needed, group, device, timeout, what, note)
+        table = _exchange_at(record, needed, group, device, wait, timeout, what, note)
     with _LOCK:
         length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table[:, : max(min(needed, table.shape[1]), _protocol.HEADER_LEN)]
 
 
 def _exchange_at(
-    record: list[int], words: int, group: Any, device: torch.device, timeout: float | None, what: str, note: str
+    record: list[int],
+    words: int,
+    group: Any,
+    device: torch.device,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    note: str,
 ) -> Tensor:
     padded = array.array("q", record[:words])
     padded.frombytes(bytes(8 * (words - len(padded))))
     local = torch.frombuffer(padded, dtype=torch.int64).to(device)  # no copy on the CPU
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)
-    _finish(_gather_equal(table, local, group), group, device, timeout, what, note)
+    _finish(_gather_equal(table, local, group), group, wait, timeout, what, note)
     return table.view(world_size, words).cpu()
 
 
 # ----------------------------------------------------------------------------------------------------- data
-def gather_rows(buffer: Tensor, group: ProcessGroup | None, timeout: float | None, what: str) -> Tensor:
+def gather_rows(buffer: Tensor, group: ProcessGroup | None, wait: str, timeout: float | None, what: str) -> Tensor:
     """Every rank's ``uint8`` buffer (equal sizes) as a ``[world_size, bytes]`` tensor."""
     world_size = dist.get_world_size(group)
     output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
-    _finish(_gather_equal(output, buffer, group), group, buffer.device, timeout, what)
+    _finish(_gather_equal(output, buffer, group), group, wait, timeout, what)
     return output.view(world_size, buffer.numel())
 
 
 _OPS = {_protocol.OP_SUM: "SUM", _protocol.OP_MAX: "MAX", _protocol.OP_MIN: "MIN"}
 
 
-def all_reduce(buffers: list[tuple[Tensor, int]], group: ProcessGroup | None, timeout: float | None, what: str) -> None:
+def all_reduce(
+    buffers: list[tuple[Tensor, int]], group: ProcessGroup | None, wait: str, timeout: float | None, what: str
+) -> None:
     """All-reduce each ``(buffer, op)`` in place: all started at once, then waited for."""
     works = [
         dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
         for buffer, op in buffers
     ]
-    for work, (buffer, _) in zip(works, buffers):
-        _finish(work, group, buffer.device, timeout, what)
+    for work in works:
+        _finish(work, group, wait, timeout, what)
 
 
 def _global_rank(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def gather_to_rank(buffer: Tensor, dst: int, group: Any, timeout: float | None, what: str) -> Tensor | None:
+def gather_to_rank(buffer: Tensor, dst: int, group: Any, wait: str, timeout: float | None, what: str) -> Tensor | None:
     """Every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only: ``[world_size, bytes]`` there."""
     rank = dist.get_rank(group)
     output = rows = None
@@ -202,33 +210,31 @@ def gather_to_rank(buffer: Tensor, dst: int, group: Any, timeout: float | None, 
         output = torch.empty(dist.get_world_size(group), buffer.numel(), dtype=torch.uint8, device=buffer.device)
         rows = list(output.unbind(0))
     work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True)
-    _finish(work, group, buffer.device, timeout, what)
+    _finish(work, group, wait, timeout, what)
     return output
 
 
-def broadcast_bytes(data: bytes | None, src: int, group: Any, device: torch.device, timeout: float | None) -> bytes:
+def broadcast_bytes(
+    data: bytes | None, src: int, group: Any, device: torch.device, wait: str, timeout: float | None
+) -> bytes:
     """The bytes ``data`` of rank ``src`` to every rank of ``group`` (a size, then the bytes: two broadcasts)."""
     rank = dist.get_rank(group)
     what = f"broadcast of the result from rank {src}"
     size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
-    _finish(
-        dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, device, timeout, what
-    )
+    _finish(dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, wait, timeout, what)
     if rank == src:
         assert data is not None
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     work = dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True)
-    _finish(work, group, device, timeout, what)
+    _finish(work, group, wait, timeout, what)
     return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
 
 
-def run_collective(
-    start: Callable[[], Any], group: Any, device: torch.device, timeout: float | None, what: str
-) -> None:
-    """Start a collective on buffers of ``device`` (``start`` returns its work) and wait for it like every other."""
-    _finish(start(), group, device, timeout, what)
+def run_collective(start: Callable[[], Any], group: Any, wait: str, timeout: float | None, what: str) -> None:
+    """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other."""
+    _finish(start(), group, wait, timeout, what)
 
 
 # ------------------------------------------------------------------------------ who is waiting where (timeouts)

@@ -116,8 +116,8 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     assert synced is not None  # no `stop` given
     outcome = _compute_here(metric, layout, synced) if rank == dst else None
     like = _engine.first_device(layout.entries)
-    device = _policy.policy_for(group, like).device
-    ok, value = _share_outcome(outcome, dst, group, device, metric, timeout)
+    policy = _policy.policy_for(group, like)
+    ok, value = _share_outcome(outcome, dst, group, policy, metric, timeout)
     if not ok:
         raise value
     if metric.compute_with_cache:
@@ -200,13 +200,13 @@ def _share_outcome(
     outcome: tuple[bool, Any] | None,
     dst: int,
     group: Any,
-    device: torch.device,
+    policy: _policy.TransportPolicy,
     metric: StockMetric,
     timeout: float | None,
 ) -> tuple[bool, Any]:
     """Send the destination rank's outcome to every rank; the destination keeps its own objects."""
     data = _encode_outcome(outcome) if outcome is not None else None
-    received = _transport.broadcast_bytes(data, dst, group, device, timeout)
+    received = _transport.broadcast_bytes(data, dst, group, policy.device, policy.wait, timeout)
     if outcome is not None:
         return outcome
     ok, value = _loads(received)
