@@ -243,7 +243,7 @@ def _joined(rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torc
     items = torch.stack([eplan.items for eplan in entries])
     # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
     holds = torch.where(torch.tensor(listed).unsqueeze(1), items, counts) > 0
-    trailing = _common_trailing(torch.stack([eplan.shapes for eplan in entries]), holds)
+    trailing = _common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
     pending: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
     for position, (index, eplan, shape, held) in enumerate(
         zip(indices, entries, trailing, any_along(holds, dim=1).tolist(), strict=True)
@@ -274,13 +274,14 @@ def _data_start(eplan: EntryPlan) -> Tensor:
 def _common_trailing(shapes: Tensor, holds: Tensor) -> list[tuple[int, ...] | None]:
     """Per entry, the trailing dims ``dim_zero_cat`` gives the items of its ranks that ``holds``; None if they differ.
 
-    ``shapes`` is ``[k, W, SHAPE_WORDS]``, ``holds`` ``[k, W]``; None too for an entry where no rank holds any.
+    ``shapes`` is ``[k, SHAPE_WORDS, W]``, ``holds`` ``[k, W]``; None too for an entry where no rank holds any.
     """
-    ndims, ignored = shapes[..., 0], ~holds
-    lead = shapes[torch.arange(shapes.shape[0]), holds.view(torch.uint8).argmax(dim=1)]  # the first holding rank's
-    words = torch.arange(SHAPE_WORDS)
-    dims = (words >= 2) & (words < 1 + lead[:, :1])  # [k, SHAPE_WORDS]: the dims after the first, at the lead's ndim
-    alike = all_along((shapes == lead.unsqueeze(1)) | ~dims.unsqueeze(1), dim=2) & (ndims == lead[:, :1])
+    ndims, ignored = shapes[:, 0], ~holds
+    lead = shapes[torch.arange(shapes.shape[0]), :, holds.view(torch.uint8).argmax(dim=1)]  # the first holding rank's
+    words = torch.arange(2, SHAPE_WORDS)
+    dims = words < 1 + lead[:, :1]  # [k, SHAPE_WORDS - 2]: which words hold the dims after the first
+    differ = any_along((shapes[:, 2:] != lead[:, 2:].unsqueeze(2)) & dims.unsqueeze(2), dim=1)
+    alike = ~differ & (ndims == lead[:, :1])
     checks = torch.stack(
         [
             any_along(holds, dim=1),
