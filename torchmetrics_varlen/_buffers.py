@@ -3,7 +3,7 @@
 ``pack`` copies the gathered entries into one ``uint8`` send buffer, ``pack_reduced`` the all-reduced ones into one
 flat buffer per reduce group. ``unpack`` turns the gathered ``[world_size, bytes]`` rows into one result per entry
 with tensor operations over all ranks at once: dense entries as ``[world_size, *shape]`` blocks, ``cat`` entries as
-every rank's data concatenated in rank order (one masked selection, whatever the number of ranks), other entries as
+every rank's data concatenated in rank order (one index selection, whatever the number of ranks), other entries as
 per-rank pieces. Padding never escapes. Tensors are copied to and from the buffer device with ``Tensor.to``, a no-op
 on the same device, so states on any device take the same path.
 """
@@ -28,6 +28,8 @@ from torchmetrics_varlen._protocol import (
     LocalEntry,
     Plan,
     Ref,
+    all_along,
+    any_along,
     dtype_of,
     shape_slots,
 )
@@ -180,71 +182,121 @@ def unpack(
         block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
         for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
             results[index] = Stacked(part.reshape(world, *plan.entries[index].shape).to(devices[index]))
-    for index, eplan in enumerate(plan.entries):
-        if eplan.dense or eplan.route == ROUTE_REDUCE:
-            continue
-        refs = eplan.refs
-        if bool((refs >= 0).any()):
+    gathered = [index for index, eplan in enumerate(plan.entries) if not eplan.dense and eplan.route != ROUTE_REDUCE]
+    referring = {index for index in gathered if bool((plan.entries[index].refs >= 0).any())}
+    joins = [index for index in gathered if cat is not None and cat[index] and index not in referring]
+    joined = _joined(rows, plan, joins, devices)
+    for index in gathered:
+        if index in referring:
             results[index] = _with_refs(rows, plan, index, results, devices[index])
-            continue
-        joined = _joined(rows, eplan, devices[index]) if cat is not None and cat[index] else None
-        results[index] = joined if joined is not None else _pieces(rows, eplan, devices[index])
+        else:
+            found = joined.get(index)
+            results[index] = found if found is not None else _pieces(rows, plan.entries[index], devices[index])
     return results
 
 
-def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) -> Tensor:
-    """Elements ``[starts[r], starts[r] + counts[r])`` (bytes, elements) of every row, concatenated in rank order.
+# The element index is int32 (half the memory to write and read) while every position fits, with room for the
+# jumps between positions (see ``_select``).
+INDEX32_ELEMENTS = 2**30
 
-    One indexing operation over all ranks: the rows are one contiguous buffer, and every section is aligned to its
-    dtype, so each element's place follows from its rank's start. A few ranks are cut out one by one instead (no index
-    tensor to build).
+
+def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    """For each entry ``e``: elements ``[starts[e, r], starts[e, r] + counts[e, r])`` of every rank ``r``'s row.
+
+    ``starts`` (bytes) and ``counts`` (elements) are ``[k, W]``; each entry's elements come back concatenated in rank
+    order. One element index for all ``k`` entries and one ``index_select`` each, whatever the number of ranks: the
+    rows are one contiguous buffer, and every section is aligned to its dtype, so each element's place follows from
+    its rank's start. The index is a cumulative sum of ones with a jump where each section starts, built in place:
+    fewer passes over fewer fresh pages than repeating each section's start and adding a range.
     """
-    total = int(counts.sum())
+    totals = counts.sum(dim=1).tolist()
+    total = sum(totals)
     if total == 0:
-        return torch.empty(0, dtype=dtype, device=rows.device)
+        return [torch.empty(0, dtype=dtype, device=rows.device) for _ in totals]
     world, width = rows.shape
     flat = rows.reshape(-1).view(dtype)
-    first = (torch.arange(world, dtype=torch.int64) * width + starts) // dtype.itemsize
-    if world <= 16:
-        return torch.cat([flat[f : f + c] for f, c in zip(first.tolist(), counts.tolist()) if c])
-    before = counts.cumsum(0) - counts  # elements of the ranks before each rank
-    index = torch.repeat_interleave(first - before, counts) + torch.arange(total, dtype=torch.int64)
-    return flat[index.to(rows.device)]
+    first = ((torch.arange(world, dtype=torch.int64) * width + starts) // dtype.itemsize).reshape(-1)
+    sizes = counts.reshape(-1)
+    begins = sizes.cumsum(0) - sizes  # where each section starts in the output
+    # The running sum of ones is begin + 1 at a section's first element, which must be first: the jumps up to there
+    # add up to first - begin - 1. Empty sections share their begin with the next section; their jumps cancel out.
+    jumps = (first - begins - 1).diff(prepend=torch.zeros(1, dtype=torch.int64))
+    kind = torch.int32 if flat.numel() < INDEX32_ELEMENTS else torch.int64
+    steps = torch.ones(total + 1, dtype=kind).index_add_(0, begins, jumps.to(kind))  # + 1: trailing empty sections
+    index = steps.cumsum_(0)[:total].to(rows.device)
+    return [torch.index_select(flat, 0, part) for part in torch.split(index, totals)]
 
 
-def _joined(rows: Tensor, eplan: EntryPlan, device: torch.device) -> Joined | None:
-    """All ranks' data of a ``cat`` entry as one tensor, or None when its items' shapes do not allow one."""
+def _joined(rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torch.device]) -> dict[int, Joined]:
+    """The ``cat`` entries among ``indices`` whose items' shapes allow it as one tensor each, of all ranks' data.
+
+    Which entries join, and to what trailing dims, is decided for all of them at once; entries of one dtype are cut
+    out together (see ``_select``).
+    """
+    out: dict[int, Joined] = {}
+    if not indices:
+        return out
+    entries = [plan.entries[index] for index in indices]
+    listed = [eplan.kind == KIND_LIST for eplan in entries]
+    counts = torch.stack([eplan.numels for eplan in entries])  # [k, W]
+    items = torch.stack([eplan.items for eplan in entries])
+    # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
+    holds = torch.where(torch.tensor(listed).unsqueeze(1), items, counts) > 0
+    trailing = _common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
+    pending: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
+    for position, (index, eplan, shape, held) in enumerate(
+        zip(indices, entries, trailing, any_along(holds, dim=1).tolist(), strict=True)
+    ):
+        if listed[position] and not held:
+            out[index] = Joined(None)
+        elif shape is None:
+            continue  # its items' shapes do not allow one tensor: per-rank pieces
+        elif eplan.dtype is None:
+            out[index] = Joined(torch.empty(0, dtype=torch.get_default_dtype()).view(-1, *shape).to(devices[index]))
+        else:
+            pending.setdefault(eplan.dtype, []).append((position, shape))
+    if pending:
+        starts = torch.stack([_data_start(eplan) for eplan in entries])
+    for dtype, members in pending.items():
+        chosen = torch.tensor([position for position, _ in members])
+        for (position, shape), data in zip(members, _select(rows, starts[chosen], counts[chosen], dtype), strict=True):
+            out[indices[position]] = Joined(data.view(-1, *shape).to(devices[indices[position]]))
+    return out
+
+
+def _data_start(eplan: EntryPlan) -> Tensor:
+    """Per rank: the byte offset of an entry's data, after its item shape table (none for tensors)."""
     assert eplan.offsets is not None and eplan.table_bytes is not None
-    if eplan.kind == KIND_LIST:
-        if not bool((eplan.items > 0).any()):
-            return Joined(None)
-        trailing = _common_trailing(eplan.shapes[eplan.items > 0])  # what each rank's items concatenate to
-        data_start = eplan.offsets + eplan.table_bytes
-    else:
-        nonempty = eplan.numels > 0
-        trailing = _common_trailing(eplan.shapes[nonempty]) if bool(nonempty.any()) else None
-        data_start = eplan.offsets
-    if trailing is None:
-        return None
-    dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
-    data = _select(rows, data_start, eplan.numels, dtype) if eplan.dtype is not None else torch.empty(0, dtype=dtype)
-    return Joined(data.view(-1, *trailing).to(device))
+    return eplan.offsets + eplan.table_bytes
 
 
-def _common_trailing(shapes: Tensor) -> tuple[int, ...] | None:
-    """The trailing dims ``dim_zero_cat`` gives items of these ``[n, SHAPE_WORDS]`` shapes; None if they differ."""
-    ndims = shapes[:, 0]
-    if bool((ndims > MAX_NDIM).any()):
-        return None  # a list whose items do not concatenate (MIXED_ITEMS)
-    if bool((ndims <= 1).all()):
-        return ()  # scalars and vectors concatenate to a vector
-    if not bool((ndims == ndims[0]).all()):
-        return None
-    ndim = int(ndims[0])
-    dims = shapes[:, 2 : 1 + ndim]
-    if not bool((dims == dims[:1]).all()):
-        return None
-    return tuple(dims[0].tolist())
+def _common_trailing(shapes: Tensor, holds: Tensor) -> list[tuple[int, ...] | None]:
+    """Per entry, the trailing dims ``dim_zero_cat`` gives the items of its ranks that ``holds``; None if they differ.
+
+    ``shapes`` is ``[k, SHAPE_WORDS, W]``, ``holds`` ``[k, W]``; None too for an entry where no rank holds any.
+    """
+    ndims, ignored = shapes[:, 0], ~holds
+    lead = shapes[torch.arange(shapes.shape[0]), :, holds.view(torch.uint8).argmax(dim=1)]  # the first holding rank's
+    words = torch.arange(2, SHAPE_WORDS)
+    dims = words < 1 + lead[:, :1]  # [k, SHAPE_WORDS - 2]: which words hold the dims after the first
+    differ = any_along((shapes[:, 2:] != lead[:, 2:].unsqueeze(2)) & dims.unsqueeze(2), dim=1)
+    alike = ~differ & (ndims == lead[:, :1])
+    checks = torch.stack(
+        [
+            any_along(holds, dim=1),
+            any_along(holds & (ndims > MAX_NDIM), dim=1),  # a list whose items do not concatenate (MIXED_ITEMS)
+            all_along((ndims <= 1) | ignored, dim=1),  # scalars and vectors concatenate to a vector
+            all_along(alike | ignored, dim=1),
+        ],
+        dim=1,
+    ).tolist()
+    found: list[tuple[int, ...] | None] = []
+    for (held, mixed, vectors, same), row in zip(checks, lead.tolist(), strict=True):
+        if not held or mixed:
+            found.append(None)
+        else:
+            found.append(() if vectors else tuple(row[2 : 1 + row[0]]) if same else None)
+    return found
 
 
 def _pieces(rows: Tensor, eplan: EntryPlan, device: torch.device) -> list:  # type: ignore[type-arg]

@@ -425,20 +425,15 @@ def _make_plan(
     check_headers(table, what)
     count = int(table[0, H_N])
     packed = table[:, HEADER_LEN : HEADER_LEN + count * ENTRY_LEN].reshape(world, count, ENTRY_LEN)
-    differs = packed != packed[:1]
-    differs[:, :, W_AUX] = False  # everything but the auxiliary word decides whether an entry is dense
-    same = (~differs.any(dim=2).any(dim=0)).tolist() if count else []
+    differs = any_along(packed != packed[:1], dim=0)  # [count, ENTRY_LEN]
+    differs[:, W_AUX] = False  # everything but the auxiliary word decides whether an entry is dense
+    same = (~any_along(differs, dim=1)).tolist()
     first = unpack_slots(packed[0]).tolist() if count else []
-    heads = packed[:, :, W_HEAD]
-    referenced = set((heads >> 12)[(heads & 3) == KIND_REF].tolist())  # their per-rank pieces may be needed
-    entries: list[EntryPlan] = []
-    for index in range(count):
-        row = first[index]
-        if same[index] and row[E_KIND] == KIND_TENSOR and row[E_NUMEL] > 0:
-            entries.append(_dense_entry(tuple(row), world))
-        else:  # only these entries need every rank's slot unpacked
-            joined = bool(cat[index]) and index not in referenced if cat is not None else False
-            entries.append(_plan_entry(unpack_slots(packed[:, index]), index, table, what, joined))
+    dense = [same[i] and first[i][E_KIND] == KIND_TENSOR and first[i][E_NUMEL] > 0 for i in range(count)]
+    uneven = [index for index in range(count) if not dense[index]]  # only these need every rank's slot unpacked
+    planned, sections = _plan_uneven(packed, uneven, cat, table, what) if uneven else ([], None)
+    unevens = iter(planned)
+    entries = [_dense_entry(tuple(first[i]), world) if dense[i] else next(unevens) for i in range(count)]
     flags = table[:, H_FLAGS]
     inline = count > 0 and bool((flags & FLAG_INLINE).all()) and all(entry.dense for entry in entries)
     if inline:
@@ -454,7 +449,7 @@ def _make_plan(
         if entry.dense and entry.route == ROUTE_GATHER and entry.dtype is not None  # a dense entry has a dtype
     ]
     groups, used = dense_layout(gathered_dense)
-    nbytes = _layout_uneven(entries, world, used)
+    nbytes = _layout_uneven(planned, sections, world, used)
     return Plan(
         world_size=world,
         entries=entries,
@@ -547,23 +542,14 @@ def dense_layout(items: Iterable[tuple[int, torch.dtype, int]]) -> tuple[list[De
     return list(groups.values()), used
 
 
-def _layout_uneven(entries: list[EntryPlan], world: int, start: int) -> Tensor:
-    """Per-rank offsets of the uneven entries after the dense groups: one cumulative sum over ``[W, entries]``."""
-    uneven = [entry for entry in entries if not entry.dense]
-    if not uneven:
+def _layout_uneven(uneven: list[EntryPlan], sections: Tensor | None, world: int, start: int) -> Tensor:
+    """Per-rank offsets of the uneven entries (``[m, W]`` section bytes) after the dense groups: one cumulative sum."""
+    if sections is None:
         return torch.full((world,), start, dtype=torch.int64)
-    sections = torch.stack([_section_bytes(entry) for entry in uneven], dim=1)  # [W, m]
-    ends = start + sections.cumsum(dim=1)
-    for position, entry in enumerate(uneven):
-        entry.offsets = ends[:, position] - sections[:, position]
-    return ends[:, -1]
-
-
-def _section_bytes(entry: EntryPlan) -> Tensor:
-    assert entry.table_bytes is not None
-    data = entry.numels * (entry.dtype.itemsize if entry.dtype is not None else 0)
-    data = torch.where(entry.refs >= 0, 0, -(-data // ALIGN) * ALIGN)
-    return entry.table_bytes + data
+    ends = start + sections.cumsum(dim=0)
+    for entry, offsets in zip(uneven, (ends - sections).unbind(0), strict=True):
+        entry.offsets = offsets
+    return ends[-1]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -585,63 +571,124 @@ def _dense_entry(slot: tuple[int, ...], world: int) -> EntryPlan:
     )
 
 
-def _plan_entry(slots: Tensor, index: int, table: Tensor, what: str, joined: bool = False) -> EntryPlan:
-    """An entry whose slots differ between ranks (uneven sizes, empty ranks, lists, shared objects)."""
-    kinds = slots[:, E_KIND]
-    is_ref = kinds == KIND_REF
-    refs = torch.where(is_ref, slots[:, E_ITEMS], -1)
-    if bool((refs >= index).any()):
-        raise SyncMismatchError(f"{what}: entry {index} refers to a later entry; this is a torchmetrics_varlen bug.")
-    own = slots.masked_fill(is_ref.unsqueeze(1), 0)  # a rank repeating an earlier entry sends nothing for it
-    real_kinds = set(own[:, E_KIND].tolist()) - {0}
-    if len(real_kinds) > 1:
-        raise SyncMismatchError(
-            f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + rank_lines(table, index)
+def any_along(mask: Tensor, dim: int) -> Tensor:
+    """``mask.any(dim)``: a bool reduction along one dimension takes a slow path on the CPU, 10x this one."""
+    return mask.view(torch.uint8).amax(dim=dim).view(torch.bool)
+
+
+def all_along(mask: Tensor, dim: int) -> Tensor:
+    """``mask.all(dim)``, as fast as :func:`any_along`."""
+    return mask.view(torch.uint8).amin(dim=dim).view(torch.bool)
+
+
+def _first(mask: Tensor) -> Tensor:
+    """Per row of ``[m, W]``: the first rank where ``mask`` holds (0 where it never does)."""
+    return mask.view(torch.uint8).argmax(dim=1)  # argmax gives the first of equal maxima
+
+
+def _plan_uneven(
+    packed: Tensor, indices: list[int], cat: Sequence[bool] | None, table: Tensor, what: str
+) -> tuple[list[EntryPlan], Tensor]:
+    """The entries ``indices``, whose slots differ between ranks (uneven sizes, empty ranks, lists, shared objects).
+
+    ``packed`` holds every entry's slots (``[W, entries, ENTRY_LEN]``). Returns the plans and each entry's section
+    bytes on each rank (``[m, W]``). Every check and size is one tensor operation over all of them (a fixed number per
+    sync, not per entry and rank); Python only builds the ``EntryPlan`` objects from the results. The first offending
+    entry raises, as if the entries were checked one by one.
+    """
+    # Entry-major (``[m, ENTRY_LEN, W]``): the plan reduces over ranks, which is fastest along contiguous memory.
+    planes = packed.permute(1, 2, 0).index_select(0, torch.tensor(indices, dtype=torch.int64))
+    head = planes[:, W_HEAD]
+    is_ref = (head & 3) == KIND_REF
+    refs = torch.where(is_ref, head >> 12, -1)
+    sends = ~is_ref  # a rank repeating an earlier entry sends nothing for it
+    head, numels, dims = head * sends, planes[:, W_NUMEL] * sends, planes[:, W_DIMS:] * sends.unsqueeze(1)
+    kinds, codes, items = head & 3, (head >> 2) & 63, head >> 12
+    halves = torch.stack([dims & 0xFFFF_FFFF, dims >> 32], dim=2).flatten(1, 2)
+    shapes = torch.cat([((head >> 8) & 15).unsqueeze(1), halves], dim=1)  # [m, SHAPE_WORDS, W]
+    column = torch.arange(len(indices))
+    nonempty, with_items = numels > 0, items > 0
+    holder = _first(nonempty)  # each entry's first rank with data: its dtype and shape are the entry's
+    lead = shapes[column, :, holder]  # [m, SHAPE_WORDS]
+    # Only ranks with data must agree on the dtype. A 0-d tensor counts as a 1-d tensor of one element: a one-item
+    # `cat` list arrives 0-d, a longer one 1-d.
+    ndims = shapes[:, 0].clamp(min=1)
+    has_tensor, has_list = any_along(kinds == KIND_TENSOR, dim=1), any_along(kinds == KIND_LIST, dim=1)
+    problems = torch.stack(
+        [
+            any_along(refs >= torch.tensor(indices).unsqueeze(1), dim=1),
+            has_tensor & has_list,
+            any_along(nonempty & (codes != codes[column, holder].unsqueeze(1)), dim=1),
+            has_tensor & any_along(nonempty & (ndims != lead[:, :1].clamp(min=1)), dim=1),
+        ]
+    )  # [check, m], in the order each entry is checked
+    if bool(problems.any()):
+        _raise_uneven(problems, indices, codes, ndims, nonempty, table, what)
+    # A `cat` list whose items concatenate alike on every rank (the same shape words, not MIXED_ITEMS, on every rank
+    # with items) is joined from its slots' shape words alone: no rank sends its item shape table. Not when another
+    # entry refers to it, since then its per-rank pieces may be needed.
+    referenced = set(refs[refs >= 0].tolist())
+    joined = [bool(cat[index]) and index not in referenced if cat is not None else False for index in indices]
+    alike = all_along(shapes == shapes[column, :, _first(with_items)].unsqueeze(2), dim=1) & (shapes[:, 0] <= MAX_NDIM)
+    shared = torch.tensor(joined) & all_along(alike | ~with_items, dim=1) & ~any_along(is_ref, dim=1)
+    aligned = -ALIGN  # x + ALIGN - 1 & -ALIGN is align(x): bit operations, cheaper than a division
+    table_bytes = (items * (SHAPE_WORDS * 8) + ALIGN - 1 & aligned) * (has_list & ~shared).unsqueeze(1)
+    holds = any_along(nonempty, dim=1).tolist()
+    dtypes = [
+        _DTYPES[code - 1] if held else None for code, held in zip(codes[column, holder].tolist(), holds, strict=True)
+    ]
+    itemsizes = torch.tensor([dtype.itemsize if dtype is not None else 0 for dtype in dtypes]).unsqueeze(1)
+    sections = table_bytes + (numels * itemsizes + ALIGN - 1 & aligned)  # a referring rank's numel is 0
+    entries = []
+    per_entry = zip(
+        *(part.unbind(0) for part in (codes, numels, items, shapes.transpose(1, 2), refs, table_bytes)), strict=True
+    )
+    for row, tensor, listed, dtype, fields in zip(
+        lead.tolist(), has_tensor.tolist(), has_list.tolist(), dtypes, per_entry, strict=True
+    ):
+        kind = KIND_TENSOR if tensor else KIND_LIST if listed else KIND_REF
+        empty_shape = (0, *row[2 : 1 + row[0]]) if kind == KIND_TENSOR and dtype is not None else None
+        entry_codes, entry_numels, entry_items, entry_shapes, entry_refs, entry_table = fields
+        entries.append(
+            EntryPlan(
+                kind=kind,
+                dtype=dtype,
+                dtype_codes=entry_codes,
+                numels=entry_numels,
+                items=entry_items,
+                shapes=entry_shapes,
+                refs=entry_refs,
+                empty_shape=empty_shape,
+                table_bytes=entry_table,
+            )
         )
-    kind = real_kinds.pop() if real_kinds else KIND_REF
-    nonempty = own[:, E_NUMEL] > 0
-    codes = sorted(set(own[:, E_DTYPE][nonempty].tolist()))  # only ranks with data must agree
-    if len(codes) > 1:
+    return entries, sections
+
+
+def _raise_uneven(
+    problems: Tensor, indices: list[int], codes: Tensor, ndims: Tensor, nonempty: Tensor, table: Tensor, what: str
+) -> None:
+    """Raise `SyncMismatchError` for the first entry with a problem (``problems``: ``[check, m]``), its first check.
+
+    ``codes``, ``ndims`` and ``nonempty`` are ``[m, W]``.
+    """
+    position = problems.any(dim=0).tolist().index(True)
+    check, index = problems[:, position].tolist().index(True), indices[position]
+    if check == 0:
+        raise SyncMismatchError(f"{what}: entry {index} refers to a later entry; this is a torchmetrics_varlen bug.")
+    lines = rank_lines(table, index)
+    if check == 1:
+        raise SyncMismatchError(f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + lines)
+    found = sorted(set((codes if check == 2 else ndims)[position][nonempty[position]].tolist()))
+    if check == 2:
         raise SyncMismatchError(
             f"{what}: expected entry {index} to have one dtype on every rank that holds data, but got"
-            f" {sorted(dtype_name(c) for c in codes)}. Cast the state to one dtype on every rank.\n"
-            + rank_lines(table, index)
+            f" {sorted(dtype_name(c) for c in found)}. Cast the state to one dtype on every rank.\n" + lines
         )
-    empty_shape = None
-    if kind == KIND_TENSOR and codes:
-        # A 0-d tensor counts as a 1-d tensor of one element: a one-item `cat` list arrives 0-d, a longer one 1-d.
-        ndims = sorted(set(own[:, E_NDIM][nonempty].clamp(min=1).tolist()))
-        if len(ndims) > 1:
-            raise SyncMismatchError(
-                f"{what}: expected entry {index} to have the same number of dimensions on every rank that holds"
-                f" data, but got {sorted(ndims)}.\n" + rank_lines(table, index)
-            )
-        first = own[nonempty][0].tolist()
-        empty_shape = (0, *first[E_DIMS + 1 : E_DIMS + first[E_NDIM]])
-    table_bytes = -(-(own[:, E_ITEMS] * SHAPE_WORDS * 8) // ALIGN) * ALIGN if kind == KIND_LIST else own[:, 0] * 0
-    if kind == KIND_LIST and joined and _concatenates(own) and not bool(is_ref.any()):
-        # A `cat` list whose items concatenate alike on every rank is joined from its slots' shape words alone:
-        # no rank sends its item shape table.
-        table_bytes = table_bytes * 0
-    return EntryPlan(
-        kind=kind,
-        dtype=_DTYPES[codes[0] - 1] if codes else None,
-        dtype_codes=own[:, E_DTYPE],
-        numels=own[:, E_NUMEL],
-        items=own[:, E_ITEMS],
-        shapes=own[:, E_NDIM:],
-        refs=refs,
-        empty_shape=empty_shape,
-        table_bytes=table_bytes,
+    raise SyncMismatchError(
+        f"{what}: expected entry {index} to have the same number of dimensions on every rank that holds"
+        f" data, but got {found}.\n" + lines
     )
-
-
-def _concatenates(own: Tensor) -> bool:
-    """The list's items concatenate to one tensor on every rank that holds items, with equal trailing dims."""
-    shapes = own[own[:, E_ITEMS] > 0][:, E_NDIM:]
-    if shapes.shape[0] == 0:
-        return True
-    return bool((shapes[:, 0] <= MAX_NDIM).all()) and bool((shapes == shapes[:1]).all())
 
 
 def dtype_of(code: int) -> torch.dtype | None:
