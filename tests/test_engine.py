@@ -384,19 +384,19 @@ def test_collective_budget_whatever_the_states(world, with_cat):
 
 
 class ManySums(Metric):
-    """20 scalar sum states: a record of 140 words, longer than a group's first record length."""
+    """40 scalar sum states: a record of 270 words, longer than a group's first record length."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        for i in range(20):
+        for i in range(40):
             self.add_state(f"s{i}", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
     def update(self, x):
-        for i in range(20):
+        for i in range(40):
             setattr(self, f"s{i}", getattr(self, f"s{i}") + x.sum() * (i + 1))
 
     def compute(self):
-        return torch.stack([getattr(self, f"s{i}") for i in range(20)])
+        return torch.stack([getattr(self, f"s{i}") for i in range(40)])
 
 
 def body_record_lengths(rank, world_size):
@@ -421,7 +421,8 @@ def body_record_lengths(rank, world_size):
     for _ in range(2 * _transport.RECORD_WINDOW - 1):  # syncs 3 .. 129
         sync(small)
     sync(wide)  # after the window: the length shrank, the wide record needs a second exchange again
-    return {"log": log, "values": values, "first": _transport.INITIAL_WORDS, "window": _transport.RECORD_WINDOW}
+    lengths = {"first": _transport.INITIAL_WORDS, "least": _transport.MIN_WORDS, "window": _transport.RECORD_WINDOW}
+    return {"log": log, "values": values, **lengths}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -431,14 +432,38 @@ def test_records_are_sized_to_the_sync_and_shrink_after_a_window(world_size):
     for rank in range(world_size):
         single_small.update(torch.tensor([0.9, 0.2, 0.7][: rank + 1]), torch.tensor([1, 0, 0][: rank + 1]))
         single_wide.update(torch.arange(rank + 2, dtype=torch.float32))
-    first, wide_words = results[0]["first"] * 8, (10 + 20 * 6 + 10) * 8  # 20 float32 sums ride in 10 words
+    wide_bytes = (10 + 40 * 6 + 20) * 8  # header, slots, and 40 float32 sums riding in 20 words
     for result in results:
+        first, least = result["first"] * 8, result["least"] * 8
         assert torch.equal(result["values"]["small"], single_small.compute())
         torch.testing.assert_close(result["values"]["wide"], single_wide.compute())
         log = result["log"]
         assert log[0] == ("BinaryAccuracy", 1, world_size * first)  # one exchange at the first length is the sync
-        assert log[1] == ("ManySums", 2, world_size * (first + wide_words))  # a second exchange, at the longest length
-        assert log[2] == ("BinaryAccuracy", 1, world_size * wide_words)  # the group keeps the longer length ...
+        assert log[1] == ("ManySums", 2, world_size * (first + wide_bytes))  # a second exchange at the longest length
+        assert log[2] == ("BinaryAccuracy", 1, world_size * wide_bytes)  # the group keeps the longer length ...
         assert log[2 * result["window"] - 1] == log[2]  # ... through the window after the one that needed it ...
-        assert log[-2] == ("BinaryAccuracy", 1, world_size * first)  # ... until the window ends
-        assert log[-1] == log[1]
+        assert log[-2] == ("BinaryAccuracy", 1, world_size * least)  # ... then shrinks to what the window needed
+        assert log[-1] == ("ManySums", 2, world_size * (least + wide_bytes))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj(),  # the conjugate bit, which numpy cannot read
+        torch._neg_view(torch.tensor([1.0, -2.0])),  # the negative bit
+        torch.arange(6.0).reshape(2, 3).T,  # not contiguous
+        torch.tensor(7, dtype=torch.int16).expand(3),  # stride 0
+        torch.tensor([1.5, -2.25], dtype=torch.bfloat16),  # no numpy dtype
+        torch.tensor([0.5, 1.0], requires_grad=True) * 2,  # carries a graph
+        torch.tensor(True),
+    ],
+)
+def test_inline_data_is_the_tensor_in_row_major_order(tensor):
+    from torchmetrics_varlen import _protocol
+
+    record = _protocol.describe([tensor], 1, "inline", inline=True)
+    assert record[_protocol.H_FLAGS] & _protocol.FLAG_INLINE
+    data = torch.tensor(record[_protocol.record_words(1) :], dtype=torch.int64).view(torch.uint8)
+    expected = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(data[: expected.numel()], expected)
+    assert not data[expected.numel() :].any()  # the padding to 16 bytes is zeros

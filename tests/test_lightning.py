@@ -225,9 +225,10 @@ class SyncRecorder:
         self._metadata = _transport.exchange_records
         self._originals = {name: getattr(dist, name) for name in self.NAMES}
 
-        def metadata(record, group, device, timeout, what):
+        def metadata(*args):
+            what = args[-1]
             self.syncs.append(what.removeprefix("sync of "))
-            return self._metadata(record, group, device, timeout, what)
+            return self._metadata(*args)
 
         def wrap(fn):
             def collective(*args, **kwargs):

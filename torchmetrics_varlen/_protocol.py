@@ -179,10 +179,13 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     if total > INLINE_MAX_BYTES:
         return None
     data = bytearray()
-    for group in groups:
-        data += bytes(group.start - len(data))  # the alignment padding before the group
-        for index in group.indices:
-            data += _raw_bytes(tensors[index])
+    try:
+        for group in groups:
+            data += bytes(group.start - len(data))  # the alignment padding before the group
+            for index in group.indices:
+                data += _raw_bytes(tensors[index])
+    except (RuntimeError, TypeError):  # a tensor numpy cannot read: its data goes by the gather, which is always safe
+        return None
     data += bytes(total - len(data))
     return array.array("q", data).tolist()
 
@@ -195,7 +198,7 @@ def _inline_layout(items: tuple[tuple[torch.dtype, int], ...]) -> "tuple[list[De
 
 def _raw_bytes(tensor: Tensor) -> bytes:
     """The elements of a CPU tensor in row-major order, as bytes."""
-    tensor = tensor.detach()
+    tensor = tensor.detach().resolve_conj().resolve_neg()  # numpy reads neither bit
     if tensor.dtype in _NUMPY_DTYPES:
         return tensor.numpy().tobytes()  # type: ignore[no-any-return]  # row-major, whatever the strides
     return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[no-any-return]  # bfloat16, float8

@@ -94,14 +94,16 @@ def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> 
 # So each group has an agreed record length, equal on all its ranks because each rank derives it from the tables
 # that all ranks saw (every rank of a group runs the same syncs in the same order):
 #
-# * records are sent at that length, at first 464 bytes (8 entries, or fewer with the data they carry);
+# * records are sent at that length, at first room for 30 entries (1,520 bytes: one exchange for most collections);
 # * when a header (always within it) says that some rank needs more, every rank exchanges again at the longest
 #   length, and the group keeps it;
-# * every RECORD_WINDOW syncs the length shrinks to the longest record of that window (never below the first one).
+# * every RECORD_WINDOW syncs the length shrinks to the longest record of that window, but not below MIN_WORDS.
 #
-# So the metadata of a per-step metric is as small as its records, and a job that alternates a large sync (a
-# collection at the end of an epoch) with many small ones pays the second exchange once per large sync at most.
-INITIAL_WORDS = _protocol.record_words(8)
+# So a per-step metric's records soon shrink to what it sends (464 bytes for a few small states), and a job that
+# alternates a large sync (a collection at the end of an epoch) with many small ones pays the second exchange at most
+# once per large sync.
+INITIAL_WORDS = _protocol.record_words(30)
+MIN_WORDS = _protocol.record_words(8)
 MAX_WORDS = _protocol.record_words(1 << 16)  # a larger "need" is not a record of ours: make_plan names the ranks
 RECORD_WINDOW = 64
 
@@ -126,7 +128,7 @@ class _RecordLength:
         self.longest = max(self.longest, needed)
         self.left -= 1
         if self.left == 0:
-            self.words, self.longest, self.left = max(self.longest, INITIAL_WORDS), 0, RECORD_WINDOW
+            self.words, self.longest, self.left = max(self.longest, MIN_WORDS), 0, RECORD_WINDOW
 
 
 _LENGTHS: dict[str, _RecordLength] = {}
