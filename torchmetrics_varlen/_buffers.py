@@ -181,7 +181,8 @@ def unpack(
     for group in plan.groups:
         block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
         for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
-            results[index] = Stacked(part.reshape(world, *plan.entries[index].shape).to(devices[index]))
+            stacked = part.reshape(world, *plan.entries[index].shape)
+            results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
     gathered = [index for index, eplan in enumerate(plan.entries) if not eplan.dense and eplan.route != ROUTE_REDUCE]
     referring = {index for index in gathered if bool((plan.entries[index].refs >= 0).any())}
     joins = [index for index in gathered if cat is not None and cat[index] and index not in referring]

@@ -198,7 +198,9 @@ def _inline_layout(items: tuple[tuple[torch.dtype, int], ...]) -> "tuple[list[De
 
 def _raw_bytes(tensor: Tensor) -> bytes:
     """The elements of a CPU tensor in row-major order, as bytes."""
-    tensor = tensor.detach().resolve_conj().resolve_neg()  # numpy reads neither bit
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()  # numpy reads neither bit
     if tensor.dtype in _NUMPY_DTYPES:
         return tensor.numpy().tobytes()  # type: ignore[no-any-return]  # row-major, whatever the strides
     return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[no-any-return]  # bfloat16, float8

@@ -169,11 +169,13 @@ def _exchange_at(
 ) -> Tensor:
     padded = array.array("q", record[:words])
     padded.frombytes(bytes(8 * (words - len(padded))))
-    local = torch.frombuffer(padded, dtype=torch.int64).to(device)  # no copy on the CPU
+    local = torch.frombuffer(padded, dtype=torch.int64)  # no copy
+    local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)
     _finish(_gather_equal(table, local, group), group, wait, timeout, what, note)
-    return table.view(world_size, words).cpu()
+    table = table.view(world_size, words)
+    return table if device.type == "cpu" else table.cpu()
 
 
 # ----------------------------------------------------------------------------------------------------- data
