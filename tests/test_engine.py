@@ -1,6 +1,7 @@
 """The sync engine: all-reduce routing, collective and byte budgets, peer failures, stock result types, warnings."""
 
 import contextlib
+import math
 import warnings
 
 import pytest
@@ -467,3 +468,31 @@ def test_inline_data_is_the_tensor_in_row_major_order(tensor):
     expected = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     assert torch.equal(data[: expected.numel()], expected)
     assert not data[expected.numel() :].any()  # the padding to 16 bytes is zeros
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.float32, torch.int64),
+        (torch.bool, torch.float16, torch.complex64, torch.int8),
+        (torch.bfloat16, torch.float32),  # numpy has no bfloat16: the tensor way
+    ],
+)
+def test_inline_results_are_every_ranks_states_stacked(dtypes):
+    from torchmetrics_varlen import _buffers, _protocol
+
+    shapes = [(), (3,), (2, 2), (1,)]
+    ranks = [
+        [(torch.arange(math.prod(s)) * (rank + 1) - 2).reshape(s).to(d) for s, d in zip(shapes, dtypes)]
+        for rank in range(3)
+    ]
+    records = [_protocol.describe(entries, 5, "inline", inline=True) for entries in ranks]
+    words = max(map(len, records)) + 6  # the group's agreed length: zeros after each record
+    table = torch.tensor([record + [0] * (words - len(record)) for record in records])
+    plan = _protocol.make_plan(table, "inline")
+    assert plan.inline
+    described = _protocol.record_words(len(dtypes))
+    results = _buffers.unpack_inline(table, table.numpy()[:, described:], plan)
+    for index, result in enumerate(results):
+        expected = torch.stack([entries[index] for entries in ranks])
+        assert result.tensor.dtype == expected.dtype and torch.equal(result.tensor, expected), (index, result)

@@ -10,6 +10,7 @@ on the same device, so states on any device take the same path.
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -73,6 +74,8 @@ class Reduced:
 
 Result = Stacked | Joined | Reduced | list[Tensor | list[Tensor]]  # a list: one piece per rank
 
+_INLINE_DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_INLINE_DTYPES += (torch.float16, torch.float32, torch.float64, torch.complex64)
 _CACHE = threading.local()  # per thread: the Join worker thread packs while the main thread may too
 SEND_BUFFER_CACHE_BYTES = 64 * 2**20
 
@@ -164,6 +167,34 @@ def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torc
             value = _decode(part, encoding).view(plan.entries[index].shape)
             out[index] = Reduced(value.to(devices[index]))
     return out
+
+
+# numpy's dtype of each torch dtype it has, taken from torch itself (no numpy import of our own).
+_NUMPY_DTYPES = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _INLINE_DTYPES}
+
+
+def unpack_inline(table: Tensor, data: Any, plan: Plan) -> list[Result | None]:
+    """The dense entries of an inline plan, cut out of ``data`` (the numpy view of the records' data words).
+
+    The same cut as :func:`unpack` makes from gathered rows, in numpy views, each entry made a tensor once: a small
+    sync runs this at every step, and numpy views cost a fraction of tensor operations. Every inline entry is on the
+    CPU. A dtype numpy lacks (``bfloat16``) takes the tensor way.
+    """
+    if any(group.dtype not in _NUMPY_DTYPES for group in plan.groups):
+        described = table.shape[1] - data.shape[1]
+        rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
+        return unpack(rows, plan, [torch.device("cpu")] * len(plan.entries))
+    raw = data.view("u1")
+    world = plan.world_size
+    results: list[Result | None] = [None] * len(plan.entries)
+    for group in plan.groups:
+        block = raw[:, group.start : group.start + group.nbytes].view(_NUMPY_DTYPES[group.dtype])
+        start = 0
+        for index, numel in zip(group.indices, group.numels):
+            part = block[:, start : start + numel].reshape(world, *plan.entries[index].shape)
+            results[index] = Stacked(torch.from_numpy(part))
+            start += numel
+    return results
 
 
 def unpack(

@@ -116,8 +116,7 @@ def run(
     plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
     devices = [entry_device(entry, like) for entry in entries]
     if plan.inline:  # the data came with the records: cut it out of the table
-        rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
-        return Synced(plan, _buffers.unpack(rows, plan, devices, cat), rank)
+        return Synced(plan, _buffers.unpack_inline(table, words[:, described:], plan), rank)
     step = _Step(entries, plan, group, rank, policy.device, policy.wait, devices, cat, timeout, what, dst)
     if plan.differentiable:
         return Synced(plan, _DifferentiableStep.run(step), rank)

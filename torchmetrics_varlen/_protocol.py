@@ -198,7 +198,8 @@ def _inline_layout(items: tuple[tuple[torch.dtype, int], ...]) -> "tuple[list[De
 
 def _raw_bytes(tensor: Tensor) -> bytes:
     """The elements of a CPU tensor in row-major order, as bytes."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():
         tensor = tensor.resolve_conj().resolve_neg()  # numpy reads neither bit
     if tensor.dtype in _NUMPY_DTYPES:

@@ -138,7 +138,10 @@ _LOCK = threading.Lock()  # the Join worker thread syncs on its own group while 
 def exchange_records(
     record: list[int], group: ProcessGroup | None, device: torch.device, wait: str, timeout: float | None, what: str
 ) -> Tensor:
-    """Collective 1 (rarely 2): every rank's record, as a ``[world_size, words]`` int64 CPU tensor."""
+    """Collective 1 (rarely 2): every rank's record, as a ``[world_size, words]`` int64 CPU tensor.
+
+    ``words`` is the group's agreed length: a record's own length is in its header (``H_WORDS``), zeros follow.
+    """
     tag = _group_tag(group)
     with _LOCK:
         length = _LENGTHS.setdefault(tag, _RecordLength())
@@ -154,7 +157,7 @@ def exchange_records(
         table = _exchange_at(record, needed, group, device, wait, timeout, what, note)
     with _LOCK:
         length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
-    return table[:, : max(min(needed, table.shape[1]), _protocol.HEADER_LEN)]
+    return table  # at the agreed length: the plan reads each record's length from its header
 
 
 def _exchange_at(
@@ -172,7 +175,7 @@ def _exchange_at(
     local = torch.frombuffer(padded, dtype=torch.int64)  # no copy
     local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
-    table = torch.empty(world_size * words, dtype=torch.int64, device=device)
+    table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
     _finish(_gather_equal(table, local, group), group, wait, timeout, what, note)
     table = table.view(world_size, words)
     return table if device.type == "cpu" else table.cpu()

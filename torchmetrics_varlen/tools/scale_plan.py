@@ -42,12 +42,15 @@ def synthetic_ops() -> tuple[list[int], list[bool]]:
     return ops, [True] * CAT_ENTRIES + [False] * DENSE_ENTRIES
 
 
-def record_words(words: int) -> int:
-    """Words of a record as it travels: the group's agreed length, at least the initial one."""
-    return max(_transport.INITIAL_WORDS, words)
+def record_words(words: int, settled: bool = False) -> int:
+    """Words of a record as it travels: the group's agreed length, at least the first one.
+
+    ``settled``: after a window of syncs like this one, when the length is at least the least one.
+    """
+    return max(_transport.MIN_WORDS if settled else _transport.INITIAL_WORDS, words)
 
 
-def plan_bytes(plan: Plan, words: int) -> Row:
+def plan_bytes(plan: Plan, words: int, settled: bool = False) -> Row:
     """Per rank: collectives, bytes received and collective buffers that ``plan`` implies (as ``ByteMeter`` counts).
 
     Example:
@@ -56,7 +59,7 @@ def plan_bytes(plan: Plan, words: int) -> Row:
         64
     """
     world = plan.world_size
-    words = record_words(words)
+    words = record_words(words, settled)
     metadata = world * words * 8
     gather = 0 if plan.inline else world * plan.max_bytes  # inline: the data came with the records
     max_bytes = 0 if plan.inline else plan.max_bytes
@@ -88,15 +91,18 @@ def stock_bytes(states: Sequence[Tensor], world: int) -> Row:
     return {"collectives": collectives, "received": received, "buffers": buffers}
 
 
-def metric_plan_bytes(metric: Any, world: int) -> Row:
-    """Per rank, ours: the bytes of one sync of ``metric``'s states on ``world`` ranks holding states like these."""
+def metric_plan_bytes(metric: Any, world: int, settled: bool = False) -> Row:
+    """Per rank, ours: the bytes of one sync of ``metric``'s states on ``world`` ranks holding states like these.
+
+    ``settled``: once the group's record length has shrunk to such syncs.
+    """
     from torchmetrics_varlen._state_sync import sync_layout
 
     layout = sync_layout([metric], "compute")
     record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux, inline=True)
     table = torch.tensor([record] * world, dtype=torch.int64)
     plan = _protocol.make_plan(table, "scale", layout.ops, "auto")
-    return plan_bytes(plan, len(record))
+    return plan_bytes(plan, len(record), settled)
 
 
 def time_planner(world: int, runs: int) -> Row:
@@ -150,7 +156,7 @@ def extended_rows(worlds: Sequence[int], quick: bool) -> list[Row]:
     For the cases whose states have one shape on every rank (a confusion matrix, FID-like sums, BinaryAccuracy),
     where both models are exact. The 8-metric collection's ``cat`` states differ by rank: measured only.
     """
-    from torchmetrics_varlen.tools.scale_procs import build_case, case_names
+    from torchmetrics_varlen.tools.scale_procs import SETTLED_CASE, build_case, case_names
 
     rows: list[Row] = []
     for name in case_names(quick)[1:]:
@@ -159,5 +165,6 @@ def extended_rows(worlds: Sequence[int], quick: bool) -> list[Row]:
         states = [getattr(stock, state) for state in stock._reductions]
         for world in worlds:
             rows.append({"case": name, "world_size": world, "side": "stock", **stock_bytes(states, world)})
-            rows.append({"case": name, "world_size": world, "side": "varlen", **metric_plan_bytes(ours, world)})
+            ours_bytes = metric_plan_bytes(ours, world, settled=name == SETTLED_CASE)
+            rows.append({"case": name, "world_size": world, "side": "varlen", **ours_bytes})
     return rows
