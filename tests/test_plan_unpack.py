@@ -55,11 +55,13 @@ def _entries(rank):
     ]
 
 
-@pytest.mark.parametrize("index", ["int32", "int64"])
+@pytest.mark.parametrize("index", ["int32", "int64", "sections"])
 @pytest.mark.parametrize("world", [2, 5, 17, 100])
 def test_unpacked_entries_equal_the_ranks_entries(world, index, monkeypatch):
     if index == "int64":
         monkeypatch.setattr(_buffers, "INDEX32_ELEMENTS", 0)  # the wide element index of very large buffers
+    if index == "sections":
+        monkeypatch.setattr(_buffers, "SLICE_MIN_AVERAGE", 0)  # the section-by-section cut of large sections
     per_rank = [_entries(rank) for rank in range(world)]
     _, results = _sync(per_rank, CAT)
 

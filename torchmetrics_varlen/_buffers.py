@@ -230,6 +230,7 @@ def unpack(
 # The element index is int32 (half the memory to write and read) while every position fits, with room for the
 # jumps between positions (see ``_select``).
 INDEX32_ELEMENTS = 2**30
+SLICE_MIN_AVERAGE = 4096  # elements per section, on average, from which sections are cut one by one
 
 
 def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) -> list[Tensor]:
@@ -249,6 +250,14 @@ def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) ->
     flat = rows.reshape(-1).view(dtype)
     first = ((torch.arange(world, dtype=torch.int64) * width + starts) // dtype.itemsize).reshape(-1)
     sizes = counts.reshape(-1)
+    if total >= SLICE_MIN_AVERAGE * sizes.numel():
+        # Large sections (a big `cat` state on few ranks): one slice each and one copy per entry, at memory speed,
+        # where an element index would cost several times the data it selects.
+        sections = list(zip(first.view(counts.shape).tolist(), counts.tolist(), strict=True))
+        return [
+            torch.cat([flat[f : f + c] for f, c in zip(*section, strict=True) if c]) if total_e else flat.new_empty(0)
+            for section, total_e in zip(sections, totals, strict=True)
+        ]
     begins = sizes.cumsum(0) - sizes  # where each section starts in the output
     # The running sum of ones is begin + 1 at a section's first element, which must be first: the jumps up to there
     # add up to first - begin - 1. Empty sections share their begin with the next section; their jumps cancel out.
