@@ -12,7 +12,7 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, _policy, rebase
+from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, _plan, _policy, rebase
 
 _REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
 
@@ -300,7 +300,7 @@ def test_int64_sums_split_into_float64_halves_are_bit_identical():
     # In process: what an all-reduce of the encoded halves gives (their float64 sum) decodes to torch.sum's int64
     # result, extreme values and wrap-around included.
     from torchmetrics_varlen._buffers import _decode, _encode
-    from torchmetrics_varlen._protocol import ENC_INVERT, ENC_SPLIT
+    from torchmetrics_varlen._plan import ENC_INVERT, ENC_SPLIT
 
     info = torch.iinfo(torch.int64)
     ranks = [
@@ -362,22 +362,22 @@ def test_cat_state_keeps_the_rank_local_graph_without_sync_grads(world_size):
 def test_collective_budget_whatever_the_states(world, with_cat):
     # In process, from the plan: sum, mean and max states large enough to be all-reduced on many ranks, with or
     # without `cat` lists to gather: at most 3 collectives (metadata + gather + 1 all-reduce, or metadata + 2).
-    from torchmetrics_varlen import _protocol
+    from torchmetrics_varlen import _plan, _protocol
 
     def entries(rank):
         dense = [torch.zeros(64), torch.zeros(64, dtype=torch.int64), torch.zeros(64), torch.zeros(32)]
         lists = [[torch.ones(rank % 5 + 1)] for _ in range(3)] if with_cat else []
         return lists + dense
 
-    ops = [_protocol.OP_NONE] * (3 if with_cat else 0) + [
-        _protocol.OP_SUM,
-        _protocol.OP_SUM,
-        _protocol.OP_MEAN,
-        _protocol.OP_MAX,
+    ops = [_plan.OP_NONE] * (3 if with_cat else 0) + [
+        _plan.OP_SUM,
+        _plan.OP_SUM,
+        _plan.OP_MEAN,
+        _plan.OP_MAX,
     ]
     cat = [True] * (3 if with_cat else 0) + [False] * 4
     table = torch.tensor([_protocol.describe(entries(rank), 7, "budget") for rank in range(world)])
-    plan = _protocol.make_plan(table, "budget", ops, cat=cat)
+    plan = _plan.make_plan(table, "budget", ops, cat=cat)
     collectives = 1 + (plan.max_bytes > 0) + len(plan.reduce_groups)
     assert collectives <= 3, (collectives, [group.op for group in plan.reduce_groups], plan.max_bytes)
     if world >= 256:
@@ -489,7 +489,7 @@ def test_inline_results_are_every_ranks_states_stacked(dtypes):
     records = [_protocol.describe(entries, 5, "inline", inline=True) for entries in ranks]
     words = max(map(len, records)) + 6  # the group's agreed length: zeros after each record
     table = torch.tensor([record + [0] * (words - len(record)) for record in records])
-    plan = _protocol.make_plan(table, "inline")
+    plan = _plan.make_plan(table, "inline")
     assert plan.inline
     described = _protocol.record_words(len(dtypes))
     results = _buffers.unpack_inline(table, table.numpy()[:, described:], plan)

@@ -416,20 +416,20 @@ def test_fuzz_checker_is_exact_and_deterministic():
 def test_plan_cache_reuses_equal_tables_only():
     # In-process: the plan of a repeated table is reused; another table gets its own; a table that raises is never
     # cached. (The distributed tests above run every sync through the cache.)
-    from torchmetrics_varlen import _protocol
+    from torchmetrics_varlen import _plan, _protocol
 
     def table(*sizes):
         records = torch.tensor([_protocol.describe([torch.ones(size)], 7, "t") for size in sizes])
         return records, bytes(str(records.tolist()), "utf8")  # any digest that tells tables apart
 
     (uneven, uneven_key), (even, even_key) = table(3, 5), table(4, 4)
-    first = _protocol.make_plan(uneven, "t", digest=uneven_key)
-    assert _protocol.make_plan(uneven, "t", digest=uneven_key) is first
-    other = _protocol.make_plan(even, "t", digest=even_key)
+    first = _plan.make_plan(uneven, "t", digest=uneven_key)
+    assert _plan.make_plan(uneven, "t", digest=uneven_key) is first
+    other = _plan.make_plan(even, "t", digest=even_key)
     assert other is not first and other.entries[0].dense and not first.entries[0].dense
     assert first.nbytes.tolist() == [16, 32]  # 3 and 5 float32 elements, aligned to 16 bytes
     bad = torch.tensor([_protocol.describe([torch.ones(2)], 7, "t"), _protocol.describe([torch.ones(2)], 8, "t")])
     for _ in range(2):
         with pytest.raises(SyncMismatchError, match="syncing different things"):
-            _protocol.make_plan(bad, "t", digest=b"bad")
-    assert not any(key[0] == b"bad" for key in _protocol._PLANS)
+            _plan.make_plan(bad, "t", digest=b"bad")
+    assert not any(key[0] == b"bad" for key in _plan._PLANS)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import _buffers, _protocol
+from torchmetrics_varlen import _buffers, _plan, _protocol
 from torchmetrics_varlen._buffers import Joined, Stacked
 from torchmetrics_varlen._protocol import Ref
 from torchmetrics_varlen.errors import SyncMismatchError
@@ -24,7 +24,7 @@ CAT = [True, True, True, True, False, True, True, True, True, False, True, True]
 def _sync(per_rank, cat):
     """What every rank gets back from a gathered sync of ``per_rank``: the plan and the unpacked results."""
     table = torch.tensor([_protocol.describe(entries, 3, "t") for entries in per_rank])
-    plan = _protocol.make_plan(table, "t", reduce="never", cat=cat)
+    plan = _plan.make_plan(table, "t", reduce="never", cat=cat)
     packed = [_buffers.pack(entries, plan, rank, CPU).clone() for rank, entries in enumerate(per_rank)]
     rows = torch.stack(packed) if plan.max_bytes else None
     return plan, _buffers.unpack(rows, plan, [CPU] * len(cat), cat)
@@ -150,7 +150,7 @@ def test_first_offending_entry_is_reported(case, world):
     per_rank = _last_rank_differs(world, usual, last)
     table = torch.tensor([_protocol.describe(entries, 3, "t") for entries in per_rank])
     with pytest.raises(SyncMismatchError) as info:
-        _protocol.make_plan(table, "t", cat=[True] * len(per_rank[0]))
+        _plan.make_plan(table, "t", cat=[True] * len(per_rank[0]))
     lines = str(info.value).split("\n")
     assert lines[0] == message
     if "refers to" not in message:  # the other messages list what every rank held

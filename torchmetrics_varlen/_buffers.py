@@ -15,22 +15,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._protocol import (
+from torchmetrics_varlen._plan import (
     ENC_INVERT,
     ENC_NEGATE,
     ENC_SPLIT,
+    ROUTE_REDUCE,
+    EntryPlan,
+    Plan,
+    all_along,
+    any_along,
+)
+from torchmetrics_varlen._protocol import (
     KIND_LIST,
     KIND_TENSOR,
     MAX_NDIM,
-    ROUTE_REDUCE,
     SHAPE_WORDS,
     Entry,
-    EntryPlan,
     LocalEntry,
-    Plan,
     Ref,
-    all_along,
-    any_along,
     dtype_of,
     shape_slots,
 )

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _buffers, _policy, _protocol, _transport
+from torchmetrics_varlen import _buffers, _plan, _policy, _protocol, _transport
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
-from torchmetrics_varlen._protocol import LocalEntry, Plan, Ref
+from torchmetrics_varlen._plan import Plan
+from torchmetrics_varlen._protocol import LocalEntry, Ref
 
 
 @dataclass
@@ -90,11 +91,11 @@ def run(
         timeout: seconds to wait for the other ranks, or None.
         flags: header flags (``_protocol.FLAG_*``).
         aux: one auxiliary word per entry, visible to every rank in the plan.
-        ops: per entry, the reduction applied afterwards (``_protocol.OP_*``); None: gather everything.
+        ops: per entry, the reduction applied afterwards (``_plan.OP_*``); None: gather everything.
         cat: per entry, whether its ranks' data are concatenated (come back :class:`Joined`).
         stop: looks at the exchanged table; True ends the sync there (every rank sees the same table).
         dst: gather to this rank only.
-        grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_protocol.make_plan``).
+        grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_plan.make_plan``).
         inline: let small dense data ride in the record (one collective in all when every rank can).
     """
     world = _transport.world_of(group)
@@ -113,7 +114,7 @@ def run(
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
-    plan = _protocol.make_plan(table, what, ops, reduce, digest, grad, cat)
+    plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat)
     devices = [entry_device(entry, like) for entry in entries]
     if plan.inline:  # the data came with the records: cut it out of the table
         return Synced(plan, _buffers.unpack_inline(table, words[:, described:], plan), rank)
@@ -293,7 +294,7 @@ def _own_sections(flat: Tensor, sections: list[tuple[int, int, bool]], step: _St
             own.extend([None] * len(tensors))
             continue
         start = starts[index]
-        if eplan.route != _protocol.ROUTE_REDUCE:
+        if eplan.route != _plan.ROUTE_REDUCE:
             start += int(eplan.numels[: step.rank].sum())  # rank-major: the ranks before this one come first
         for tensor in tensors:
             own.append(flat[start : start + tensor.numel()])

@@ -5,7 +5,7 @@ at once) and :func:`torchmetrics_varlen.compute_on_rank`. The reductions give wh
 ``torchmetrics.Metric._sync_dist`` gives with the gathered states, with the same types (a ``cat`` list state comes
 back as one concatenated tensor), except that uneven shapes and empty ranks work: a rank without data contributes
 nothing, and a ``cat`` list that is empty on every rank stays ``[]`` as on one process. Dense states with a sum, max,
-min or mean reduction may travel by all-reduce (see ``_protocol.make_plan``): integers bit-identical, floats summed
+min or mean reduction may travel by all-reduce (see ``_plan.make_plan``): integers bit-identical, floats summed
 in the backend's order.
 """
 
@@ -22,14 +22,15 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _engine, _protocol
+from torchmetrics_varlen import _engine, _plan, _protocol
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
-from torchmetrics_varlen._protocol import Entry, LocalEntry, Plan, Ref
+from torchmetrics_varlen._plan import Plan
+from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 
 StateDict = dict[str, Any]
-_OPS: dict[Any, int] = {dim_zero_sum: _protocol.OP_SUM, dim_zero_max: _protocol.OP_MAX, dim_zero_min: _protocol.OP_MIN}
-_OPS[dim_zero_mean] = _protocol.OP_MEAN
+_OPS: dict[Any, int] = {dim_zero_sum: _plan.OP_SUM, dim_zero_max: _plan.OP_MAX, dim_zero_min: _plan.OP_MIN}
+_OPS[dim_zero_mean] = _plan.OP_MEAN
 
 
 def state_names(metric: StockMetric) -> list[str]:
@@ -74,8 +75,8 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
             keys.append((index, name))
             states.append(values[index][name] if values else getattr(metric, name))
             reductions.append(reduction)
-    ops = [_OPS.get(fn, _protocol.OP_NONE) for fn in reductions]
-    aux = [metrics[i]._update_count if op == _protocol.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
+    ops = [_OPS.get(fn, _plan.OP_NONE) for fn in reductions]
+    aux = [metrics[i]._update_count if op == _plan.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
     return Layout(
         keys=keys,
         entries=entries_sharing_objects(states),
@@ -205,7 +206,7 @@ def reduce_state(
     dtype = plan.entries[index].dtype
     if isinstance(result, Reduced):
         assert dtype is not None  # a dense entry has one
-        value = result.tensor / plan.world_size if op == _protocol.OP_MEAN else result.tensor
+        value = result.tensor / plan.world_size if op == _plan.OP_MEAN else result.tensor
         return value.to(_result_dtype(reduction, dtype))
     if isinstance(result, Joined):
         if result.tensor is None:
@@ -266,7 +267,7 @@ def _warn_mean_of_means(metrics: Sequence[StockMetric], layout: Layout, plan: Pl
     Decided from the update counts every record carries (no extra collective), so every rank warns alike.
     """
     for position, ((index, name), op) in enumerate(zip(layout.keys, layout.ops)):
-        if op != _protocol.OP_MEAN:
+        if op != _plan.OP_MEAN:
             continue
         counts = plan.aux[:, position]
         if bool((counts == counts[0]).all()):

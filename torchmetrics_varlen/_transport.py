@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _protocol
+from torchmetrics_varlen import _plan, _protocol
 from torchmetrics_varlen._policy import PeerFailedError, wait_for
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
@@ -190,7 +190,7 @@ def gather_rows(buffer: Tensor, group: ProcessGroup | None, wait: str, timeout: 
     return output.view(world_size, buffer.numel())
 
 
-_OPS = {_protocol.OP_SUM: "SUM", _protocol.OP_MAX: "MAX", _protocol.OP_MIN: "MIN"}
+_OPS = {_plan.OP_SUM: "SUM", _plan.OP_MAX: "MAX", _plan.OP_MIN: "MIN"}
 
 
 def all_reduce(

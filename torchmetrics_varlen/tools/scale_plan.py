@@ -15,14 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _buffers, _protocol, _transport
-from torchmetrics_varlen._protocol import LocalEntry, Plan
+from torchmetrics_varlen import _buffers, _plan, _protocol, _transport
+from torchmetrics_varlen._plan import Plan
+from torchmetrics_varlen._protocol import LocalEntry
 
 Row = dict[str, Any]
 CAT_ENTRIES, DENSE_ENTRIES = 8, 16
 _DENSE_SHAPES = [(), (5,), (5, 5), (10,)]
 _DENSE_DTYPES = [torch.float32, torch.int64, torch.float64, torch.float32]
-_DENSE_OPS = [_protocol.OP_SUM, _protocol.OP_SUM, _protocol.OP_MAX, _protocol.OP_MEAN]
+_DENSE_OPS = [_plan.OP_SUM, _plan.OP_SUM, _plan.OP_MAX, _plan.OP_MEAN]
 
 
 def synthetic_entries(rank: int) -> list[LocalEntry]:
@@ -37,8 +38,8 @@ def synthetic_entries(rank: int) -> list[LocalEntry]:
 
 
 def synthetic_ops() -> tuple[list[int], list[bool]]:
-    """The reductions (``_protocol.OP_*``) and ``cat`` flags of :func:`synthetic_entries`."""
-    ops = [_protocol.OP_NONE] * CAT_ENTRIES + [_DENSE_OPS[j % 4] for j in range(DENSE_ENTRIES)]
+    """The reductions (``_plan.OP_*``) and ``cat`` flags of :func:`synthetic_entries`."""
+    ops = [_plan.OP_NONE] * CAT_ENTRIES + [_DENSE_OPS[j % 4] for j in range(DENSE_ENTRIES)]
     return ops, [True] * CAT_ENTRIES + [False] * DENSE_ENTRIES
 
 
@@ -55,7 +56,7 @@ def plan_bytes(plan: Plan, words: int, settled: bool = False) -> Row:
 
     Example:
         >>> table = torch.tensor([_protocol.describe([torch.zeros(3)], 1, "x")] * 4)
-        >>> plan_bytes(_protocol.make_plan(table, "x"), table.shape[1])["gather"]
+        >>> plan_bytes(_plan.make_plan(table, "x"), table.shape[1])["gather"]
         64
     """
     world = plan.world_size
@@ -101,7 +102,7 @@ def metric_plan_bytes(metric: Any, world: int, settled: bool = False) -> Row:
     layout = sync_layout([metric], "compute")
     record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux, inline=True)
     table = torch.tensor([record] * world, dtype=torch.int64)
-    plan = _protocol.make_plan(table, "scale", layout.ops, "auto")
+    plan = _plan.make_plan(table, "scale", layout.ops, "auto")
     return plan_bytes(plan, len(record), settled)
 
 
@@ -111,7 +112,7 @@ def time_planner(world: int, runs: int) -> Row:
     ops, cat = synthetic_ops()
     context = _protocol.context_hash("synthetic")
     table = torch.tensor([_protocol.describe(entries, context, "synthetic") for entries in per_rank])
-    plan = _protocol.make_plan(table, "synthetic", ops, "auto", cat=cat)
+    plan = _plan.make_plan(table, "synthetic", ops, "auto", cat=cat)
     cpu = torch.device("cpu")
     packed = [_buffers.pack(entries, plan, rank, cpu).clone() for rank, entries in enumerate(per_rank)]
     rows = torch.stack(packed) if plan.max_bytes else None
@@ -121,7 +122,7 @@ def time_planner(world: int, runs: int) -> Row:
     total_ms: list[float] = []
     for _ in range(runs):
         start = time.perf_counter()
-        plan = _protocol.make_plan(table, "synthetic", ops, "auto", cat=cat)
+        plan = _plan.make_plan(table, "synthetic", ops, "auto", cat=cat)
         middle = time.perf_counter()
         _buffers.unpack(rows, plan, devices, cat)
         end = time.perf_counter()
