@@ -10,7 +10,6 @@ on the same device, so states on any device take the same path.
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,6 +28,7 @@ from torchmetrics_varlen._protocol import (
     KIND_LIST,
     KIND_TENSOR,
     MAX_NDIM,
+    NUMPY_DTYPES,
     SHAPE_WORDS,
     Entry,
     LocalEntry,
@@ -76,8 +76,6 @@ class Reduced:
 
 Result = Stacked | Joined | Reduced | list[Tensor | list[Tensor]]  # a list: one piece per rank
 
-_INLINE_DTYPES: tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_INLINE_DTYPES += (torch.float16, torch.float32, torch.float64, torch.complex64)
 _CACHE = threading.local()  # per thread: the Join worker thread packs while the main thread may too
 SEND_BUFFER_CACHE_BYTES = 64 * 2**20
 
@@ -171,26 +169,21 @@ def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torc
     return out
 
 
-# numpy's dtype of each torch dtype it has, taken from torch itself (no numpy import of our own).
-_NUMPY_DTYPES = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _INLINE_DTYPES}
-
-
-def unpack_inline(table: Tensor, data: Any, plan: Plan) -> list[Result | None]:
-    """The dense entries of an inline plan, cut out of ``data`` (the numpy view of the records' data words).
+def unpack_inline(table: Tensor, described: int, plan: Plan) -> list[Result | None]:
+    """The dense entries of an inline plan, cut out of the records' data words (after the first ``described``).
 
     The same cut as :func:`unpack` makes from gathered rows, in numpy views, each entry made a tensor once: a small
     sync runs this at every step, and numpy views cost a fraction of tensor operations. Every inline entry is on the
     CPU. A dtype numpy lacks (``bfloat16``) takes the tensor way.
     """
-    if any(group.dtype not in _NUMPY_DTYPES for group in plan.groups):
-        described = table.shape[1] - data.shape[1]
+    if any(group.dtype not in NUMPY_DTYPES for group in plan.groups):
         rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
         return unpack(rows, plan, [torch.device("cpu")] * len(plan.entries))
-    raw = data.view("u1")
+    raw = table.numpy()[:, described:].view("u1")
     world = plan.world_size
     results: list[Result | None] = [None] * len(plan.entries)
     for group in plan.groups:
-        block = raw[:, group.start : group.start + group.nbytes].view(_NUMPY_DTYPES[group.dtype])
+        block = raw[:, group.start : group.start + group.nbytes].view(NUMPY_DTYPES[group.dtype])
         start = 0
         for index, numel in zip(group.indices, group.numels):
             part = block[:, start : start + numel].reshape(world, *plan.entries[index].shape)

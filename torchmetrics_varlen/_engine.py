@@ -109,15 +109,15 @@ def run(
     table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
         return None
-    words = table.numpy()
-    described = _protocol.record_words(int(words[0, _protocol.H_N])) if table.shape[1] >= _protocol.HEADER_LEN else 0
+    words = table.numpy()  # at least the group's first record length: the header is there
+    described = _protocol.record_words(int(words[0, _protocol.H_N]))
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
     plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat)
-    devices = [entry_device(entry, like) for entry in entries]
     if plan.inline:  # the data came with the records: cut it out of the table
-        return Synced(plan, _buffers.unpack_inline(table, words[:, described:], plan), rank)
+        return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
+    devices = [entry_device(entry, like) for entry in entries]
     step = _Step(entries, plan, group, rank, policy.device, policy.wait, devices, cat, timeout, what, dst)
     if plan.differentiable:
         return Synced(plan, _DifferentiableStep.run(step), rank)

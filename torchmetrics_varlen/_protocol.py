@@ -142,7 +142,8 @@ def describe(
             continue
         problem = _entry_problem(entry)
         if problem != ERR_NONE:
-            error, error_entry = (problem, index) if error == ERR_NONE else (error, error_entry)
+            if error == ERR_NONE:  # the first problem is the one reported
+                error, error_entry = problem, index
             slots += _pack_slot(0, 0, 0, 0, word, ())
         elif isinstance(entry, Tensor):
             slots += _pack_slot(KIND_TENSOR, _DTYPE_CODE[entry.dtype], entry.numel(), 1, word, entry.shape)
@@ -201,13 +202,17 @@ def _raw_bytes(tensor: Tensor) -> bytes:
         tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():
         tensor = tensor.resolve_conj().resolve_neg()  # numpy reads neither bit
-    if tensor.dtype in _NUMPY_DTYPES:
+    if tensor.dtype in NUMPY_DTYPES:
         return tensor.numpy().tobytes()  # type: ignore[no-any-return]  # row-major, whatever the strides
     return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[no-any-return]  # bfloat16, float8
 
 
-_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
-_NUMPY_DTYPES |= {torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128}
+# numpy's dtype of each torch dtype numpy has (not bfloat16 nor float8), taken from torch: no numpy import of ours.
+_NUMPY_READS = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+)  # fmt: skip
+NUMPY_DTYPES = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _NUMPY_READS}
 
 
 MIXED_ITEMS = 15  # the ndim word of a list whose items do not concatenate to one tensor (``_item_shape_slots``)
