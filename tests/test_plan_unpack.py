@@ -18,7 +18,7 @@ from torchmetrics_varlen.errors import SyncMismatchError
 
 CPU = torch.device("cpu")
 # Per entry: whether its ranks' data are concatenated (`cat`), as in `_entries`.
-CAT = [True, True, True, True, False, True, True, True, True, False, True, True]
+CAT = [True, True, True, True, False, True, True, True, True, False, False, False]
 
 
 def _sync(per_rank, cat):
@@ -50,8 +50,8 @@ def _entries(rank):
         [torch.empty(0)],  # items, but no data
         values(rank % 3, 4, dtype=torch.int32),  # a 2-d `cat` tensor state, empty (0, 4) on some ranks
         values((rank + 2) % 4),  # not `cat`: per-rank tensors
-        [values(1, 2 + rank % 2)],  # trailing dims that differ by rank: per-rank lists
-        values(1, 1 + rank % 2),  # the same for a `cat` tensor state: per-rank tensors
+        [values(1, 2 + rank % 2)],  # not `cat`, trailing dims that differ by rank: per-rank lists
+        values(1, 1 + rank % 2),  # the same for a tensor state: per-rank tensors (a `cat` state raises, see below)
     ]
 
 
@@ -114,19 +114,36 @@ ERROR_CASES = {
     "dtype before a later kind": (
         lambda: [torch.ones(2), torch.ones(3), torch.ones(1)],
         lambda: [torch.ones(4), torch.ones(3, dtype=torch.int64), [torch.ones(1)]],
-        "t: expected entry 1 to have one dtype on every rank that holds data, but got ['float32', 'int64']."
+        "t: expected `entry 1` to have one dtype on every rank that holds data, but got ['float32', 'int64']."
         " Cast the state to one dtype on every rank.",
     ),
     # Within an entry, the kind is checked before the dtype.
     "kind before dtype": (
         lambda: [torch.ones(2), torch.ones(3)],
         lambda: [torch.ones(2), [torch.ones(3, dtype=torch.int64)]],
-        "t: entry 1 is a tensor on some ranks and a list on others.",
+        "t: expected `entry 1` to be a tensor on every rank or a list on every rank, but it is a tensor on some ranks"
+        " and a list on others. Register the state with the same default on every rank.",
     ),
     "ndim before a later reference": (
         lambda: [torch.ones(2), torch.ones(2), torch.ones(2)],
         lambda: [torch.ones(2, 2), Ref(2), torch.ones(2)],
-        "t: expected entry 0 to have the same number of dimensions on every rank that holds data, but got [1, 2].",
+        "t: expected `entry 0` to have the same number of dimensions on every rank that holds data, but got [1, 2].",
+    ),
+    # `cat` data that cannot be concatenated: a list's items and a tensor state whose trailing dims differ by rank
+    # (ranks without data do not count, as torch.cat skips stock's zero-length vectors for empty ranks).
+    "cat list trailing dims": (
+        lambda: [torch.ones(2), [torch.ones(4, 3)]],
+        lambda: [torch.ones(2), [torch.ones(1, 4), torch.ones(2, 4)]],
+        "t: expected `entry 1` (dist_reduce_fx='cat') to have the same shape after the first dimension on every rank"
+        " that holds data, since the ranks' data are concatenated along the first dimension, but the ranks differ."
+        " Give the state the same trailing dims on every rank.",
+    ),
+    "cat tensor trailing dims": (
+        lambda: [torch.ones(2, 3), torch.ones(0)],
+        lambda: [torch.ones(5, 4), torch.ones(0, 7)],
+        "t: expected `entry 0` (dist_reduce_fx='cat') to have the same shape after the first dimension on every rank"
+        " that holds data, since the ranks' data are concatenated along the first dimension, but the ranks differ."
+        " Give the state the same trailing dims on every rank.",
     ),
     "reference to itself": (
         lambda: [torch.ones(2), torch.ones(3)],
@@ -137,7 +154,7 @@ ERROR_CASES = {
     "empty and 0-d ranks agree": (
         lambda: [torch.ones(2), torch.ones(3), torch.ones(2, 2)],
         lambda: [torch.empty(0, dtype=torch.int64), torch.tensor(1.0), torch.ones(2, 3, dtype=torch.float64)],
-        "t: expected entry 2 to have one dtype on every rank that holds data, but got ['float32', 'float64']."
+        "t: expected `entry 2` to have one dtype on every rank that holds data, but got ['float32', 'float64']."
         " Cast the state to one dtype on every rank.",
     ),
 }
@@ -153,8 +170,8 @@ def test_first_offending_entry_is_reported(case, world):
         _plan.make_plan(table, "t", cat=[True] * len(per_rank[0]))
     lines = str(info.value).split("\n")
     assert lines[0] == message
-    if "refers to" not in message:  # the other messages list what every rank held
-        assert len(lines) == 1 + world and lines[1].startswith("  rank 0: t, ")
+    if "refers to" not in message:  # the other messages list what every rank held: shape (or joined shape), dtype
+        assert len(lines) == 2 + world and lines[2].startswith("  rank 0: t, ") and "dtype=" in lines[-1]
 
 
 def test_ranks_without_data_take_the_plan_of_those_with_data():

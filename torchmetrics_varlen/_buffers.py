@@ -16,7 +16,6 @@ from torch import Tensor
 
 from torchmetrics_varlen._plan import (
     ENC_INVERT,
-    ENC_NEGATE,
     ENC_SPLIT,
     ROUTE_REDUCE,
     EntryPlan,
@@ -145,8 +144,7 @@ def _encode(tensor: Tensor, encoding: int, dtype: torch.dtype, device: torch.dev
         return torch.cat([(wide >> 32).to(dtype), (wide & 0xFFFF_FFFF).to(dtype)])
     if encoding == ENC_INVERT:
         return torch.bitwise_not(flat.to(torch.int64)).to(dtype)
-    flat = flat.to(dtype)
-    return -flat if encoding == ENC_NEGATE else flat
+    return flat.to(dtype)
 
 
 def _decode(part: Tensor, encoding: int) -> Tensor:
@@ -155,7 +153,7 @@ def _decode(part: Tensor, encoding: int) -> Tensor:
         return (high.to(torch.int64) << 32) + low.to(torch.int64)  # int64 arithmetic wraps as torch.sum does
     if encoding == ENC_INVERT:
         return torch.bitwise_not(part)
-    return -part if encoding == ENC_NEGATE else part
+    return part
 
 
 def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torch.device]) -> dict[int, Reduced]:
@@ -287,8 +285,8 @@ def _joined(rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torc
             out[index] = Joined(None)
         elif shape is None:
             continue  # its items' shapes do not allow one tensor: per-rank pieces
-        elif eplan.dtype is None:
-            out[index] = Joined(torch.empty(0, dtype=torch.get_default_dtype()).view(-1, *shape).to(devices[index]))
+        elif eplan.dtype is None:  # items of zero length only: they keep the dtype a rank sent, as on one process
+            out[index] = Joined(torch.empty(0, dtype=_sent_dtype(eplan)).view(-1, *shape).to(devices[index]))
         else:
             pending.setdefault(eplan.dtype, []).append((position, shape))
     if pending:
@@ -298,6 +296,12 @@ def _joined(rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torc
         for (position, shape), data in zip(members, _select(rows, starts[chosen], counts[chosen], dtype), strict=True):
             out[indices[position]] = Joined(data.view(-1, *shape).to(devices[indices[position]]))
     return out
+
+
+def _sent_dtype(eplan: EntryPlan) -> torch.dtype:
+    """The dtype of an entry no rank holds data of: the first dtype a rank sent (of its zero-length items)."""
+    sent = eplan.dtype_codes[eplan.dtype_codes > 0]
+    return dtype_of(int(sent[0])) or torch.get_default_dtype() if sent.numel() else torch.get_default_dtype()
 
 
 def _data_start(eplan: EntryPlan) -> Tensor:
@@ -355,7 +359,7 @@ def _piece(rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> T
     if count == 0:
         return []
     table = rows[rank, offset : offset + count * SHAPE_WORDS * 8].view(torch.int64).view(count, SHAPE_WORDS).tolist()
-    dtype = eplan.dtype if eplan.dtype is not None else torch.get_default_dtype()
+    dtype = eplan.dtype if eplan.dtype is not None else _sent_dtype(eplan)
     start = offset + int(eplan.table_bytes[rank])
     items = []
     for slots in table:

@@ -78,6 +78,7 @@ def run(
     dst: int | None = None,
     grad: str = "if_graph",
     inline: bool = True,
+    names: Callable[[int], str] | None = None,
 ) -> Synced | None:
     """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
 
@@ -97,6 +98,7 @@ def run(
         dst: gather to this rank only.
         grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_plan.make_plan``).
         inline: let small dense data ride in the record (one collective in all when every rank can).
+        names: names the entry at a position in error messages (a metric's state); "entry N" when None.
     """
     world = _transport.world_of(group)
     assert world is not None
@@ -114,7 +116,7 @@ def run(
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
-    plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat)
+    plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat, names)
     if plan.inline:  # the data came with the records: cut it out of the table
         return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
     devices = [entry_device(entry, like) for entry in entries]

@@ -9,7 +9,7 @@ cached by the table's digest: a per-step sync that sends the same slots reuses i
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,10 +77,10 @@ class EntryPlan:
         return tuple(row[1 : 1 + row[0]])
 
 
-# How an entry rides its reduce group's buffer: as it is, negated (a float `min` inside a `max` group), bit-inverted
-# (an integer `min`: ~x = -x - 1 reverses the order without overflow), or split into a high and a low 32-bit half
-# (an int64 sum inside a float64 sum group: each half sums exactly in float64 for up to 2**21 ranks).
-ENC_PLAIN, ENC_NEGATE, ENC_INVERT, ENC_SPLIT = 0, 1, 2, 3
+# How an entry rides its reduce group's buffer: as it is, bit-inverted (an integer `min` inside the `max` group:
+# ~x = -x - 1 reverses the order without overflow), or split into a high and a low 32-bit half (an int64 sum inside a
+# float64 sum group: each half sums exactly in float64 for up to 2**21 ranks).
+ENC_PLAIN, ENC_INVERT, ENC_SPLIT = 0, 2, 3
 
 
 @dataclass
@@ -88,8 +88,9 @@ class ReduceGroup:
     """Dense entries reduced by one all-reduce (sum or max) of a flat buffer of ``dtype``.
 
     Every sum and mean state shares one group (integers split into float64 halves when floats are summed too), every
-    max and min state of a float dtype one, and of an integer dtype another: at most three groups, whatever the number
-    of states, of which the collective budget lets at most two be all-reduced (see ``_route``).
+    max and min state of an integer dtype another: at most two groups, whatever the number of states, of which the
+    collective budget lets one be all-reduced when something is left to gather (see ``_route``). Float max and min
+    states are never all-reduced (see ``reduce_dtype``).
     """
 
     op: int
@@ -131,12 +132,19 @@ _REDUCE_DTYPES = {torch.int64, torch.float32, torch.float64}  # all-reduce works
 def reduce_dtype(op: int, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a dense state of ``dtype`` travels in when all-reduced with ``op``, or None to gather it.
 
-    Integers (and bools) sum as int64, which is what ``torch.sum`` gives, so the result is bit-identical. Max and min
-    are exact in any wider type. Half floats travel as float32. Complex and float8 states are gathered.
+    Integers (and bools) sum as int64, which is what ``torch.sum`` gives, so the result is bit-identical; their max
+    and min are exact in int64. Float sums and means: half floats travel as float32, in which ``torch.sum``
+    accumulates them too; NaN and infinities propagate in any order, and a sum of zeros is made ``+0.0`` afterwards,
+    as ``torch.sum`` (which starts from ``+0.0``) gives (see ``_state_sync.reduce_state``); only the rounding order of
+    finite sums on three or more ranks is the backend's. Float max and min are gathered: ``torch.max`` of the stacked
+    ranks propagates NaN and keeps the first rank's zero of a ``-0.0``/``+0.0`` tie, which no backend's ``MAX``
+    all-reduce does (gloo drops NaN). Complex and float8 states are gathered.
     """
     if op == OP_NONE or dtype.is_complex or (dtype.itemsize == 1 and dtype.is_floating_point):
         return None
     if dtype.is_floating_point:
+        if op in (OP_MAX, OP_MIN):
+            return None
         return torch.float64 if dtype == torch.float64 else torch.float32
     return None if op == OP_MEAN else torch.int64  # torch.mean refuses integers: gather, and raise as stock does
 
@@ -154,6 +162,7 @@ def make_plan(
     digest: bytes | None = None,
     grad: str = "if_graph",
     cat: Sequence[bool] | None = None,
+    names: Callable[[int], str] | None = None,
 ) -> Plan:
     """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike.
 
@@ -163,6 +172,7 @@ def make_plan(
     "always" (a per-step sync in grad mode: the result is a loss) or "if_graph" (only when some rank's states carry
     a graph). ``digest`` identifies the table: a metric synced again and again sends the same table, and a plan
     looked up costs less than one made. Plans are never mutated after this; a table that raises is never cached.
+    ``names`` names the entry at a position in error messages (a metric's state: ``"BinaryAUROC.preds"``).
     """
     key = (digest, (*(ops or ()), -1, *(cat or ())), reduce + grad) if digest is not None else None
     if key is not None:
@@ -170,7 +180,7 @@ def make_plan(
             plan = _PLANS.get(key)  # type: ignore[arg-type]
         if plan is not None:
             return plan
-    plan = _make_plan(table, what, ops, reduce, grad, cat)
+    plan = _make_plan(table, what, ops, reduce, grad, cat, names or _entry_name)
     if key is not None:
         with _PLANS_LOCK:
             if len(_PLANS) >= PLAN_CACHE_SIZE:
@@ -179,11 +189,21 @@ def make_plan(
     return plan
 
 
+def _entry_name(index: int) -> str:
+    return f"entry {index}"
+
+
 def _make_plan(
-    table: Tensor, what: str, ops: Sequence[int] | None, reduce: str, grad: str, cat: Sequence[bool] | None
+    table: Tensor,
+    what: str,
+    ops: Sequence[int] | None,
+    reduce: str,
+    grad: str,
+    cat: Sequence[bool] | None,
+    names: Callable[[int], str],
 ) -> Plan:
     world = table.shape[0]
-    check_headers(table, what)
+    check_headers(table, what, names)
     count = int(table[0, H_N])
     packed = table[:, HEADER_LEN : HEADER_LEN + count * ENTRY_LEN].reshape(world, count, ENTRY_LEN)
     differs = any_along(packed != packed[:1], dim=0)  # [count, ENTRY_LEN]
@@ -192,7 +212,7 @@ def _make_plan(
     first = unpack_slots(packed[0]).tolist() if count else []
     dense = [same[i] and first[i][E_KIND] == KIND_TENSOR and first[i][E_NUMEL] > 0 for i in range(count)]
     uneven = [index for index in range(count) if not dense[index]]  # only these need every rank's slot unpacked
-    planned, sections = _plan_uneven(packed, uneven, cat, table, what) if uneven else ([], None)
+    planned, sections = _plan_uneven(packed, uneven, cat, table, what, names) if uneven else ([], None)
     unevens = iter(planned)
     entries = [_dense_entry(tuple(first[i]), world) if dense[i] else next(unevens) for i in range(count)]
     flags = table[:, H_FLAGS]
@@ -236,7 +256,7 @@ def _route(
     refs = [entry.refs for entry in entries if not entry.dense]
     every_ref = torch.cat(refs) if refs else torch.empty(0, dtype=torch.int64)
     shared = set(every_ref[every_ref >= 0].tolist())
-    members: dict[str, list[tuple[int, int, torch.dtype]]] = {"sum": [], "max_float": [], "max_int": []}
+    members: dict[str, list[tuple[int, int, torch.dtype]]] = {"sum": [], "max": []}
     for index, (entry, op) in enumerate(zip(entries, ops, strict=True)):
         eligible = entry.dense and entry.dtype is not None and index not in shared
         if differentiable and op in (OP_MAX, OP_MIN):
@@ -244,7 +264,7 @@ def _route(
         transport = reduce_dtype(op, entry.dtype) if eligible and entry.dtype is not None else None
         if transport is None:
             continue
-        kind = "sum" if op in (OP_SUM, OP_MEAN) else "max_float" if transport.is_floating_point else "max_int"
+        kind = "sum" if op in (OP_SUM, OP_MEAN) else "max"  # max and min: integers only (see `reduce_dtype`)
         members[kind].append((index, op, transport))
     groups = [_reduce_group(kind, found, entries) for kind, found in members.items() if found]
     chosen = [group for group in groups if reduce == "always" or (world - 2) * group.nbytes >= REDUCE_MIN_SAVING]
@@ -269,7 +289,7 @@ def _reduce_group(kind: str, members: list[tuple[int, int, torch.dtype]], entrie
     for index, op, transport in members:
         numel = int(entries[index].numels[0])
         if op == OP_MIN:
-            encoding = ENC_NEGATE if transport.is_floating_point else ENC_INVERT
+            encoding = ENC_INVERT
         else:
             encoding = ENC_SPLIT if transport == torch.int64 and dtype == torch.float64 else ENC_PLAIN
         group.indices.append(index)
@@ -330,7 +350,12 @@ def _first(mask: Tensor) -> Tensor:
 
 
 def _plan_uneven(
-    packed: Tensor, indices: list[int], cat: Sequence[bool] | None, table: Tensor, what: str
+    packed: Tensor,
+    indices: list[int],
+    cat: Sequence[bool] | None,
+    table: Tensor,
+    what: str,
+    names: Callable[[int], str],
 ) -> tuple[list[EntryPlan], Tensor]:
     """The entries ``indices``, whose slots differ between ranks (uneven sizes, empty ranks, lists, shared objects).
 
@@ -357,16 +382,18 @@ def _plan_uneven(
     # `cat` list arrives 0-d, a longer one 1-d.
     ndims = shapes[:, 0].clamp(min=1)
     has_tensor, has_list = any_along(kinds == KIND_TENSOR, dim=1), any_along(kinds == KIND_LIST, dim=1)
+    catted = torch.tensor([cat is not None and bool(cat[index]) for index in indices])
     problems = torch.stack(
         [
             any_along(refs >= torch.tensor(indices).unsqueeze(1), dim=1),
             has_tensor & has_list,
             any_along(nonempty & (codes != codes[column, holder].unsqueeze(1)), dim=1),
             has_tensor & any_along(nonempty & (ndims != lead[:, :1].clamp(min=1)), dim=1),
+            _cat_conflicts(shapes, nonempty, catted),
         ]
     )  # [check, m], in the order each entry is checked
     if bool(problems.any()):
-        _raise_uneven(problems, indices, codes, ndims, nonempty, table, what)
+        _raise_uneven(problems, indices, codes, ndims, nonempty, table, what, names)
     # A `cat` list whose items concatenate alike on every rank (the same shape words, not MIXED_ITEMS, on every rank
     # with items) is joined from its slots' shape words alone: no rank sends its item shape table. Not when another
     # entry refers to it, since then its per-rank pieces may be needed.
@@ -408,27 +435,61 @@ def _plan_uneven(
     return entries, sections
 
 
+def _cat_conflicts(shapes: Tensor, nonempty: Tensor, catted: Tensor) -> Tensor:
+    """Per `cat` entry: whether the ranks with data join to different dims after the first (``[m]``).
+
+    ``shapes`` is ``[m, SHAPE_WORDS, W]``: a tensor's ``[ndim, *dims]``, a list's ``[ndim, 0, *trailing]`` of what its
+    items concatenate to (``MIXED_ITEMS`` when they do not: such a list is left to the join, see
+    ``_state_sync._cat_items``). A 0-d tensor joins as a vector. Ranks without data are left out: ``torch.cat`` skips
+    the zero-length vectors stock sends for empty ranks.
+    """
+    ndims = shapes[:, 0].clamp(min=1)
+    known = nonempty & (ndims <= MAX_NDIM)
+    lead = shapes[torch.arange(shapes.shape[0]), :, _first(known)]  # [m, SHAPE_WORDS]
+    used = torch.arange(2, SHAPE_WORDS) < 1 + lead[:, :1].clamp(min=1)  # the words of the dims after the first
+    differ = any_along((shapes[:, 2:] != lead[:, 2:].unsqueeze(2)) & used.unsqueeze(2), dim=1)
+    return catted & any_along(known & (differ | (ndims != lead[:, :1].clamp(min=1))), dim=1)
+
+
 def _raise_uneven(
-    problems: Tensor, indices: list[int], codes: Tensor, ndims: Tensor, nonempty: Tensor, table: Tensor, what: str
+    problems: Tensor,
+    indices: list[int],
+    codes: Tensor,
+    ndims: Tensor,
+    nonempty: Tensor,
+    table: Tensor,
+    what: str,
+    names: Callable[[int], str],
 ) -> None:
     """Raise `SyncMismatchError` for the first entry with a problem (``problems``: ``[check, m]``), its first check.
 
-    ``codes``, ``ndims`` and ``nonempty`` are ``[m, W]``.
+    ``codes``, ``ndims`` and ``nonempty`` are ``[m, W]``. The message names the entry (``names``) and lists each
+    rank's shape and dtype there.
     """
     position = problems.any(dim=0).tolist().index(True)
     check, index = problems[:, position].tolist().index(True), indices[position]
+    name = names(index)
     if check == 0:
-        raise SyncMismatchError(f"{what}: entry {index} refers to a later entry; this is a torchmetrics_varlen bug.")
-    lines = rank_lines(table, index)
+        raise SyncMismatchError(f"{what}: {name} refers to a later entry; this is a torchmetrics_varlen bug.")
+    lines = "\nEach rank's value:\n" + rank_lines(table, index)
     if check == 1:
-        raise SyncMismatchError(f"{what}: entry {index} is a tensor on some ranks and a list on others.\n" + lines)
+        raise SyncMismatchError(
+            f"{what}: expected `{name}` to be a tensor on every rank or a list on every rank, but it is a tensor on"
+            " some ranks and a list on others. Register the state with the same default on every rank." + lines
+        )
+    if check == 4:
+        raise SyncMismatchError(
+            f"{what}: expected `{name}` (dist_reduce_fx='cat') to have the same shape after the first dimension on"
+            " every rank that holds data, since the ranks' data are concatenated along the first dimension, but the"
+            " ranks differ. Give the state the same trailing dims on every rank." + lines
+        )
     found = sorted(set((codes if check == 2 else ndims)[position][nonempty[position]].tolist()))
     if check == 2:
         raise SyncMismatchError(
-            f"{what}: expected entry {index} to have one dtype on every rank that holds data, but got"
-            f" {sorted(dtype_name(c) for c in found)}. Cast the state to one dtype on every rank.\n" + lines
+            f"{what}: expected `{name}` to have one dtype on every rank that holds data, but got"
+            f" {sorted(dtype_name(c) for c in found)}. Cast the state to one dtype on every rank." + lines
         )
     raise SyncMismatchError(
-        f"{what}: expected entry {index} to have the same number of dimensions on every rank that holds"
-        f" data, but got {found}.\n" + lines
+        f"{what}: expected `{name}` to have the same number of dimensions on every rank that holds"
+        f" data, but got {found}." + lines
     )

@@ -17,7 +17,7 @@ No rank branches on its local data before step 3, so no rank can skip a collecti
 import array
 import functools
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -329,8 +329,10 @@ def rank_lines(table: Tensor, entry: int | None = None) -> str:
             packed = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
             slot = unpack_slots(torch.tensor(packed, dtype=torch.int64)).tolist()
             if slot[E_KIND] == KIND_LIST:
-                items, numel = slot[E_ITEMS], slot[E_NUMEL]
-                text += f", list of {items} tensors, {numel} elements, dtype={dtype_name(slot[E_DTYPE])}"
+                items, numel, ndim = slot[E_ITEMS], slot[E_NUMEL], slot[E_NDIM]
+                joined = "mixed" if ndim > MAX_NDIM else str(("*", *slot[E_DIMS + 1 : E_DIMS + ndim])).replace("'", "")
+                text += f", list of {items} tensors, {numel} elements, joined shape={joined}"
+                text += f", dtype={dtype_name(slot[E_DTYPE])}"
             elif slot[E_KIND] == KIND_TENSOR:
                 shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
                 text += f", shape={shape}, dtype={dtype_name(slot[E_DTYPE])}"
@@ -338,8 +340,11 @@ def rank_lines(table: Tensor, entry: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def check_headers(table: Tensor, what: str) -> None:
-    """Raise `SyncMismatchError` (on every rank alike) when the ranks are not syncing the same thing."""
+def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None = None) -> None:
+    """Raise `SyncMismatchError` (on every rank alike) when the ranks are not syncing the same thing.
+
+    ``names`` names the entry at a position (a metric's state), for the message of a rank's local problem.
+    """
     if not bool((table[:, H_MAGIC] == MAGIC).all()):
         bad = (table[:, H_MAGIC] != MAGIC).nonzero().flatten().tolist()
         raise SyncMismatchError(
@@ -365,7 +370,8 @@ def check_headers(table: Tensor, what: str) -> None:
     if failing:
         rank = failing[0]
         error, entry = int(table[rank, H_ERROR]), int(table[rank, H_ERROR_ENTRY])
+        name = f"`{names(entry)}`" if names is not None else f"entry {entry}"
         raise SyncMismatchError(
-            f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in entry {entry}; it cannot"
+            f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
             " be synced.\n" + rank_lines(table, entry)
         )

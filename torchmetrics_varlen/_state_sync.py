@@ -4,9 +4,11 @@ Used by :class:`torchmetrics_varlen.Metric` (one metric), :class:`torchmetrics_v
 at once) and :func:`torchmetrics_varlen.compute_on_rank`. The reductions give what stock
 ``torchmetrics.Metric._sync_dist`` gives with the gathered states, with the same types (a ``cat`` list state comes
 back as one concatenated tensor), except that uneven shapes and empty ranks work: a rank without data contributes
-nothing, and a ``cat`` list that is empty on every rank stays ``[]`` as on one process. Dense states with a sum, max,
-min or mean reduction may travel by all-reduce (see ``_plan.make_plan``): integers bit-identical, floats summed
-in the backend's order.
+nothing. A ``cat`` list that is empty on every rank comes back as stock's ``tensor([])`` of the metric's dtype; one
+whose items all have zero length keeps their dtype and trailing dims. Dense integer states with a sum, max or min
+reduction and float states with a sum or mean reduction may travel by all-reduce (see ``_plan.reduce_dtype``):
+integers bit-identical, floats with NaN, infinities and signed zeros as stock, finite floats summed in the backend's
+order. Ranks whose data cannot be combined raise `SyncMismatchError` on every rank, naming the state.
 """
 
 import functools
@@ -63,6 +65,15 @@ class Layout:
     cat: list[bool]
     aux: list[int]  # the owning metric's update count, for `mean` states (see `_warn_mean_of_means`)
     graph: bool  # a local tensor state carries an autograd graph
+    classes: list[str]  # the class name of each metric: error messages name "<class>.<state>"
+    # `cat` entries: the owning metric's (dtype, device), which an empty result takes when no rank knows a dtype
+    # (stock sends ``torch.tensor([], dtype=self.dtype)`` for an empty `cat` list)
+    empty: list[tuple[torch.dtype, torch.device] | None]
+
+    def state_name(self, position: int) -> str:
+        """``"<metric class>.<state>"`` of the entry at ``position``: error messages."""
+        index, name = self.keys[position]
+        return f"{self.classes[index]}.{name}"
 
 
 def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
@@ -77,15 +88,18 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
             reductions.append(reduction)
     ops = [_OPS.get(fn, _plan.OP_NONE) for fn in reductions]
     aux = [metrics[i]._update_count if op == _plan.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
+    cat = [fn is dim_zero_cat for fn in reductions]
     return Layout(
         keys=keys,
         entries=entries_sharing_objects(states),
         context=_protocol.context_hash(layout_text(metrics, phase)),
         reductions=reductions,
         ops=ops,
-        cat=[fn is dim_zero_cat for fn in reductions],
+        cat=cat,
         aux=aux,
         graph=any(_carries_graph(value) for value in states),
+        classes=[type(metric).__name__ for metric in metrics],
+        empty=[(metrics[i].dtype, metrics[i].device) if joined else None for (i, _), joined in zip(keys, cat)],
     )
 
 
@@ -114,7 +128,7 @@ def sync_states(
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
-    reduced = reduce_results(layout, synced, lambda position: state_label(metrics, layout, position))
+    reduced = reduce_results(layout, synced, layout.state_name)
     out: list[StateDict] = [{} for _ in metrics]
     for (index, name), value in zip(layout.keys, reduced):
         out[index][name] = value
@@ -146,13 +160,13 @@ def run_layout(
         stop=stop,
         dst=dst,
         grad="always" if phase == "step" else "if_graph",
+        names=layout.state_name,
     )
 
 
 def state_label(metrics: Sequence[StockMetric], layout: Layout, position: int) -> str:
     """``"<metric class>.<state>"`` of the entry at ``position``: error messages."""
-    index, name = layout.keys[position]
-    return f"{type(metrics[index]).__name__}.{name}"
+    return layout.state_name(position)
 
 
 def reduce_results(layout: Layout, synced: "_engine.Synced", where: Callable[[int], str]) -> list[Any]:
@@ -172,7 +186,7 @@ def reduce_results(layout: Layout, synced: "_engine.Synced", where: Callable[[in
             reduced.append(reduced[local.index])
             continue
         own = local if keep_graph and not isinstance(local, Ref) else None
-        reduced.append(reduce_state(result, reduction, op, own, rank, plan, where, position))
+        reduced.append(reduce_state(result, reduction, op, own, rank, plan, where, position, layout.empty[position]))
     return reduced
 
 
@@ -201,16 +215,24 @@ def reduce_state(
     plan: Plan,
     where: Callable[[int], str],
     index: int,
+    empty: tuple[torch.dtype, torch.device] | None = None,
 ) -> Any:
-    """Combine one state's per-rank values the way torchmetrics does after its gather."""
+    """Combine one state's per-rank values the way torchmetrics does after its gather.
+
+    ``empty`` is the (dtype, device) of a `cat` state that no rank holds an item of: stock gathers the
+    ``torch.tensor([], dtype=metric.dtype)`` each rank sends for its empty list, and gets that back concatenated.
+    """
     dtype = plan.entries[index].dtype
     if isinstance(result, Reduced):
         assert dtype is not None  # a dense entry has one
-        value = result.tensor / plan.world_size if op == _plan.OP_MEAN else result.tensor
+        value = result.tensor
+        if value.is_floating_point():
+            value = value + 0.0  # torch.sum starts from +0.0: a sum of zeros that are all -0.0 is +0.0 with stock
+        value = value / plan.world_size if op == _plan.OP_MEAN else value
         return value.to(_result_dtype(reduction, dtype))
     if isinstance(result, Joined):
         if result.tensor is None:
-            return []
+            return _empty_cat(empty)
         if not _carries_graph(own):
             return result.tensor
         # This rank's section comes from its own tensors, so their rank-local graph survives, as with stock.
@@ -231,9 +253,9 @@ def reduce_state(
     if isinstance(per_rank[0], list):
         flat = [item for items in per_rank for item in items]  # type: ignore[union-attr]
         if not flat:
-            return []
+            return _empty_cat(empty) if reduction is dim_zero_cat else []
         if reduction is dim_zero_cat:
-            return dim_zero_cat(flat)
+            return _cat_items(flat, per_rank, where(index))
         return reduction(flat) if reduction is not None else flat
     if isinstance(own, Tensor) and (own.requires_grad or own.numel() > 0):
         per_rank[rank] = own  # this rank's own object keeps its graph
@@ -243,13 +265,46 @@ def reduce_state(
         return dim_zero_cat([t for t in tensors if t.numel() > 0] or tensors[:1])
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) > 1:
-        listing = ", ".join(f"rank {r}: {tuple(t.shape)}" for r, t in enumerate(tensors))
+        listing = ", ".join(f"rank {r}: {tuple(t.shape)} {_dtype_text(t)}" for r, t in enumerate(tensors))
         raise SyncMismatchError(
             f"Expected state `{where(index)}` to have the same shape on every rank (its reduction stacks them) but got"
             f" {listing}. Use dist_reduce_fx='cat' or a list state for data whose size differs between ranks."
         )
     stacked = torch.stack(tensors)
     return reduction(stacked) if reduction is not None else stacked
+
+
+def _empty_cat(empty: tuple[torch.dtype, torch.device] | None) -> Tensor | list[Tensor]:
+    """Stock's value of a `cat` list state that is empty on every rank: ``tensor([])`` of the metric's dtype."""
+    if empty is None:  # not a metric's state (no layout names one): nothing to take a dtype from
+        return []
+    dtype, device = empty
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _cat_items(flat: list[Tensor], per_rank: list[Entry], state: str) -> Tensor:
+    """``dim_zero_cat`` of every rank's items; items that cannot be joined raise `SyncMismatchError`.
+
+    The plan refuses ranks whose items join to different trailing dims; what is left here are lists whose items
+    differ already on one rank (the plan sees no common shape for them). Every rank holds the same pieces, so every
+    rank raises alike.
+    """
+    try:
+        return dim_zero_cat(flat)
+    except RuntimeError as error:
+        listing = "\n".join(
+            f"  rank {rank}: items of shapes {[tuple(t.shape) for t in items]}, dtype"  # type: ignore[union-attr]
+            f" {_dtype_text(items[0]) if items else '-'}"
+            for rank, items in enumerate(per_rank)
+        )
+        raise SyncMismatchError(
+            f"Expected the items of `cat` state `{state}` to have the same shape after the first dimension on every"
+            f" rank (they are concatenated along it) but got:\n{listing}\n({error})"
+        ) from error
+
+
+def _dtype_text(tensor: Tensor) -> str:
+    return str(tensor.dtype).replace("torch.", "")
 
 
 def _carries_graph(own: LocalEntry | None) -> bool:

@@ -16,6 +16,10 @@ _HOOK_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors")
 _GRAD_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors(sync_grads=True)")
 
 
+def _tensor_name(index: int) -> str:
+    return "the tensor passed to gather_all_tensors"
+
+
 def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: bool = False) -> list[Tensor]:
     """Gather a tensor from every rank, whatever its shape on each rank; a drop-in for torchmetrics' function.
 
@@ -74,6 +78,7 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
         flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
         grad="always",
+        names=_tensor_name,
     )
     assert synced is not None  # no `stop` given
     gathered = synced.results[0]
