@@ -91,7 +91,7 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
     cat = [fn is dim_zero_cat for fn in reductions]
     return Layout(
         keys=keys,
-        entries=entries_sharing_objects(states),
+        entries=entries_sharing_objects(states, reductions),
         context=_protocol.context_hash(layout_text(metrics, phase)),
         reductions=reductions,
         ops=ops,
@@ -190,12 +190,17 @@ def reduce_results(layout: Layout, synced: "_engine.Synced", where: Callable[[in
     return reduced
 
 
-def entries_sharing_objects(values: list[Any]) -> list[LocalEntry]:
-    """One entry per state; a state that is the very object of an earlier one (a compute group) becomes a Ref."""
-    seen: dict[int, int] = {}
+def entries_sharing_objects(values: list[Any], reductions: list[Any] | None = None) -> list[LocalEntry]:
+    """One entry per state; a state that is the very object of an earlier one (a compute group) becomes a Ref.
+
+    Only where the reduction is the same too (``reductions``): a Ref's value is the earlier entry's reduced value,
+    and stock reduces every state with its own reduction, also two states holding one tensor.
+    """
+    seen: dict[tuple[int, int], int] = {}
     entries: list[LocalEntry] = []
     for position, value in enumerate(values):
-        first = seen.setdefault(id(value), position)
+        reduction = reductions[position] if reductions is not None else None
+        first = seen.setdefault((id(value), id(reduction)), position)
         entries.append(Ref(first) if first != position else (value if isinstance(value, Tensor) else list(value)))
     return entries
 
