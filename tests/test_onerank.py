@@ -10,6 +10,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
 from torchmetrics.regression import MeanSquaredError
 from torchmetrics.retrieval import RetrievalMAP
 from torchmetrics.utilities.data import dim_zero_cat
+from torchmetrics.utilities.distributed import gather_all_tensors as stock_gather_all_tensors
 
 from torchmetrics_varlen import Metric, SyncMismatchError, rebase
 from torchmetrics_varlen.onerank import compute_on_rank
@@ -99,9 +100,13 @@ def body_equal_to_all_gather(rank, world_size):
                 with count_collectives() as counts:
                     got = outcome(lambda m=one_rank, d=dst: compute_on_rank(m, dst=d))
                 expected = outcome(every_rank.compute)
-                single = cls(sync_on_compute=False, **options)
                 if sum(sizes):
+                    single = cls(sync_on_compute=False, **options)
                     fill(single, name, [sum(sizes)], 0, batch=sum(sizes))
+                else:
+                    # No rank has data: stock's own sync turns each empty `cat` list into `tensor([])` (one process
+                    # keeps `[]`), so the reference is stock's per-state sync with its own gather on the same ranks.
+                    single = cls(dist_sync_fn=stock_gather_all_tensors, **options)
                 results.append(((scenario, name, dst), got, expected, outcome(single.compute), dict(counts)))
     return results
 
