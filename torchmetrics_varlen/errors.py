@@ -1,7 +1,8 @@
 """Errors raised by the sync protocol.
 
-Both errors subclass :class:`RuntimeError`, so code that already catches the errors of ``torch.distributed`` keeps
-working. Both are raised on every rank that takes part in the failing sync, never on one rank alone.
+All three errors subclass :class:`RuntimeError`, so code that already catches the errors of ``torch.distributed``
+keeps working. Each is raised on every rank that takes part in the failing sync and is still alive, never on one
+rank alone.
 """
 
 __all__ = ["SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
@@ -10,10 +11,13 @@ __all__ = ["SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
 class SyncMismatchError(RuntimeError):
     """The ranks disagree about what they are syncing.
 
-    Raised on every rank, right after the metadata exchange and before any data moves, when the ranks hold tensors
-    that cannot be gathered together (different dtype or number of dimensions), sync different metrics or state
-    layouts, or are in different phases (one in a per-step sync, another in an epoch ``compute()``). The message has
-    one line per rank saying what that rank held.
+    Raised on every rank alike when the ranks hold data that cannot be combined (different dtype or number of
+    dimensions, ``cat`` data whose dims after the first differ, a stacked state whose shape differs), sync different
+    metrics or state layouts, or are in different phases (one in a per-step sync, another in an epoch
+    ``compute()``). Decided from the exchanged metadata, right after its exchange and before any data moves; only
+    what the metadata cannot show (a ``cat`` list whose items differ on one rank, the shapes of a state with a
+    stacking reduction) is found after the data step, from data every rank holds alike. The message names the
+    metric and state and has one line per rank saying what that rank held.
 
     Example:
         >>> from torchmetrics_varlen import SyncMismatchError

@@ -50,21 +50,26 @@ class Metric(StockMetric, JoinableMetric):
     this class instead. Differences from stock torchmetrics:
 
     * **One-shot sync.** All states (tensors and lists, any dtypes, shapes and ``dist_reduce_fx``) travel in one
-      metadata exchange and one data step (all-reduce for large sums, maxima and minima, one gather for the rest;
+      metadata exchange and one data step (all-reduce for large sums and integer maxima and minima, one gather for
+      the rest, float maxima and minima included, so that NaN and signed zeros come out as with stock;
       nothing more for a few small states, which ride in the metadata), never a barrier. A custom ``dist_sync_fn``
       is honoured with the stock per-state path.
-    * **Uneven and empty ranks.** ``cat`` states may differ in length on every rank, a rank may hold nothing, and a
-      ``cat`` list empty everywhere stays ``[]`` as on one process.
+    * **Uneven and empty ranks.** ``cat`` states may differ in length on every rank and a rank may hold nothing. A
+      ``cat`` list empty on every rank comes back as ``tensor([])`` of the metric's dtype, as with stock's sync;
+      items that all have zero length keep their dtype and trailing dims.
     * **No double sync.** ``sync()`` holds until ``unsync()``: ``compute()`` in between returns the global value with no
       further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
-      ``compute()`` decides on the ``compute()`` cache together with the other ranks, so a rank with a stale cache
-      cannot leave the others waiting.
+      ``compute()`` returns a valid cache at once, as stock does: each rank decides that alone, with no collective.
+      So a rank whose cache went stale (an ``update()`` on that rank only) syncs while the others do not, and after
+      ``sync_timeout`` it raises a ``SyncTimeoutError`` that names this case.
     * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
       :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
       (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` holding
       the metric raises ``ValueError``. ``dist_reduce_fx="mean"`` states would count the empty ranks.
-    * **Clear failures.** Ranks syncing different metrics, layouts or phases raise
-      :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
+    * **Clear failures.** Ranks syncing different metrics, layouts or phases, or holding data that cannot be combined
+      (another dtype, a ``cat`` state whose dims after the first differ), raise
+      :class:`~torchmetrics_varlen.SyncMismatchError` together, naming the state and each rank's shape and dtype;
+      a rank that never arrives makes the others raise
       :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
 
     Args:
