@@ -12,7 +12,8 @@ from torchmetrics.utilities.data import dim_zero_cat
 def as_tensor(value: Any) -> Tensor | None:
     """A ``cat`` state as one tensor (local list or synced tensor), or None when it holds nothing."""
     if isinstance(value, Tensor):
-        return value
+        # A `cat` list no rank held an item of comes back from a sync as stock's `tensor([])`: it holds nothing.
+        return value if value.numel() > 0 or value.ndim > 1 else None
     return dim_zero_cat(value) if value else None
 
 
