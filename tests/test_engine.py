@@ -111,8 +111,8 @@ def test_reduced_states_equal_stock_reductions_bit_for_bit(world_size, env):
             assert isinstance(got, torch.Tensor), (name, got)  # a synced `cat` list is one tensor, as with stock
             assert got.dtype == expected.dtype and got.shape == expected.shape, (name, got, expected)
             assert torch.equal(got, expected), (name, got, expected)  # integers and small float sums: exact
-        # always: three reduce groups (sums, float max/min, integer max/min), but with a `cat` state to gather the
-        # budget allows one all-reduce: the largest group; auto: states this small stay in the one gather.
+        # always: two reduce groups (sums, integer max/min; float max/min are gathered), but with a `cat` state to
+        # gather the budget allows one all-reduce: the largest group; auto: states this small stay in the one gather.
         assert result["counts"].get("all_reduce", 0) == (1 if env else 0), result["counts"]
         assert sum(result["counts"].values()) == (3 if env else 2), result["counts"]
 
