@@ -202,6 +202,22 @@ def test_rebased_class_objects_pickle_to_the_same_class(how):
         assert copied is cls, (cls, copied)
 
 
+def test_rebased_class_pickles_when_swapped_in_under_the_stock_name(monkeypatch):
+    # Code that swaps rebased classes in under the stock names (as torchmetrics' suite runner does) must still pickle
+    # them: pickle's own lookup of the base by reference would find the rebased class and refuse.
+    import torchmetrics.classification.accuracy as accuracy_module
+    from torchmetrics.classification.accuracy import BinaryAccuracy
+
+    rebased = rebase(BinaryAccuracy)
+    monkeypatch.setattr(accuracy_module, "BinaryAccuracy", rebased)
+    assert pickle.loads(pickle.dumps(rebased)) is rebased
+    metric = rebased()
+    metric.update(torch.tensor([0.9, 0.2, 0.7]), torch.tensor([1, 0, 0]))
+    copied = pickle.loads(pickle.dumps(metric))
+    assert type(copied) is rebased
+    assert copied.compute() == BinaryAccuracy()(torch.tensor([0.9, 0.2, 0.7]), torch.tensor([1, 0, 0]))
+
+
 def _build_and_compute(cls):
     """Run in a spawned process: the class arrives pickled, as torchmetrics' test pool sends it."""
     metric = cls()

@@ -2,6 +2,7 @@
 
 import copyreg
 import functools
+import importlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -257,7 +258,20 @@ def _reduce_rebased_class(cls: type) -> Any:
     base = cls.__dict__.get("_rebased_from")
     if base is None:  # a class of its own deriving from a rebased one: by reference, as any class
         return cls.__qualname__
-    return rebase, (base,)
+    # The base by module and name rather than by reference: code that swaps the rebased class in under the stock name
+    # (`module.BinaryAUROC = rebase(BinaryAUROC)`) makes pickle's own lookup of the base find the rebased class.
+    return _rebase_by_name, (base.__module__, base.__qualname__)
+
+
+def _rebase_by_name(module: str, qualname: str) -> type[StockMetric]:
+    """``rebase`` of the class named ``qualname`` in ``module``: unpickles a rebased class.
+
+    The name may hold the stock class or, where it was swapped in, the rebased class itself: both give the rebased one.
+    """
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return rebase(found)
 
 
 @functools.cache
