@@ -6,7 +6,6 @@ import torch
 from torchmetrics_varlen import _policy
 from torchmetrics_varlen._policy import Facts, PeerFailedError, buffer_device, decide, wait_for, wait_mode
 
-
 CPU, CUDA0, CUDA1, CUDA2 = (torch.device("cpu"), *(torch.device("cuda", i) for i in range(3)))
 TWO = "cpu:gloo,cuda:nccl"
 
