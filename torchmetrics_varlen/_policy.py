@@ -160,11 +160,15 @@ def _serving(backend: str, device_type: str) -> str:
 
 def serving_type(facts: Facts) -> str:
     """The device type whose backend serves the sync: decided from facts equal on every rank (module docstring)."""
-    if facts.device is not None:
-        return facts.device.type
-    if ":" in facts.backend:  # the hook on a several-backend group: the accelerator's entry where there is one
-        return "cuda" if facts.cuda_available and "cuda" in _backends(facts.backend) else "cpu"
-    return facts.local.type if facts.local is not None else "cpu"
+    return _serving_type(facts.backend, facts.device, facts.local, facts.cuda_available)
+
+
+def _serving_type(backend: str, device: torch.device | None, local: torch.device | None, cuda: bool) -> str:
+    if device is not None:
+        return device.type
+    if ":" in backend:  # the hook on a several-backend group: the accelerator's entry where there is one
+        return "cuda" if cuda and "cuda" in _backends(backend) else "cpu"
+    return local.type if local is not None else "cpu"
 
 
 def wait_mode(backend: str, device_type: str) -> str:
@@ -217,16 +221,18 @@ def policy_for(group: Any, device: torch.device | None, local: torch.device | No
         return forced
     backend = backend_of(group)
     cuda_available = ":" in backend and device is None and torch.cuda.is_available()
-    facts = Facts(backend, device, local, cuda_available=cuda_available, reduce=os.environ.get(REDUCE_ENV, ""))
-    if _serving(backend, serving_type(facts)) == "nccl":
-        facts = replace(facts, bound=bound_device(group), current_cuda=torch.cuda.current_device())
-    return _decide(facts)
+    reduce = os.environ.get(REDUCE_ENV, "")
+    bound, current = None, -1
+    if _serving(backend, _serving_type(backend, device, local, cuda_available)) == "nccl":
+        bound, current = bound_device(group), torch.cuda.current_device()
+    return _decide(backend, device, local, bound, current, cuda_available, reduce)
 
 
 @functools.lru_cache(maxsize=64)
-def _decide(facts: Facts) -> TransportPolicy:
-    # Every sync asks for its policy: the answer depends on the facts only, so it is built once per combination.
-    return decide(facts)
+def _decide(*facts: Any) -> TransportPolicy:
+    # Every sync asks for its policy: the answer depends on the facts only, so it is built once per combination
+    # (keyed by the plain values: cheaper to hash than a Facts).
+    return decide(Facts(*facts))
 
 
 @contextlib.contextmanager
