@@ -142,8 +142,13 @@ def run_layout(
     dst: int | None = None,
     phase: str = "compute",
     stop: Any = None,
+    device: torch.device | None = None,
 ) -> "_engine.Synced | None":
-    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``)."""
+    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
+
+    ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
+    results go to: the Join shadow, which must never touch CUDA, passes the CPU.
+    """
     return _engine.run(
         layout.entries,
         group,
@@ -157,7 +162,7 @@ def run_layout(
         stop=stop,
         dst=dst,
         grad="always" if phase == "step" else "if_graph",
-        device=layout.device,
+        device=device or layout.device,
     )
 
 
