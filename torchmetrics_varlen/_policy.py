@@ -6,10 +6,10 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   whose list states are all empty must not pick another backend than its peers):
 
   - *which backend serves the sync* matters only on a group created with several backends
-    (``"cpu:gloo,cuda:nccl"``, what ``init_process_group()`` without a backend creates). It is the entry for the
-    metric's device type (torchmetrics' ``Metric.device``, passed down by every caller); where no metric is known
-    (the ``gather_all_tensors`` hook) it is the accelerator's entry when CUDA is available, else the CPU's, whatever
-    the tensor's device;
+    (``backend="cpu:gloo,cuda:nccl"``; ``init_process_group()`` without a backend reports "undefined" and is served by
+    its device map, see :func:`backend_of`). It is the entry for the metric's device type (torchmetrics'
+    ``Metric.device``, passed down by every caller); where no metric is known (the ``gather_all_tensors`` hook) it
+    is the accelerator's entry when CUDA is available, else the CPU's, whatever the tensor's device;
   - *which device of that kind* is this rank's own choice (peers only have to agree on the kind): NCCL moves CUDA
     memory only, so its buffers live on the group's bound device (``init_process_group(device_id=...)``, which
     ``new_group`` inherits), else the metric's CUDA device, else this rank's first CUDA state, else the current
@@ -26,8 +26,9 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   the buffer device when it is an accelerator, else on the metric's device (``grad_device``), and are copied to each
   state's own device after the node: its backward runs on the accelerator's thread even for CPU states.
 * **Waiting.** Every collective is started asynchronously and waited for in one of two ways, both with the same
-  outcome (done, expired with the collective left pending, or failed), both run by the gloo tests. Both first check
-  ``work.is_completed()`` a few hundred times without sleeping (a small collective is done by then), then:
+  outcome (done, expired with the collective left pending, or failed), both run by the gloo tests (a third, inside
+  backward only, follows). Both first check ``work.is_completed()`` a few hundred times without sleeping (a small
+  collective is done by then), then:
 
   - ``"block"`` (gloo): ``work.wait(timeout)`` in slices. gloo's work is c10d's base ``Work``, whose timed ``wait``
     is a condition-variable wait that raises "Operation timed out!" and changes nothing (``c10d::Work::wait``), so a
@@ -36,7 +37,6 @@ Everything else in the package is backend-agnostic. The decisions, and why:
     call ``work.wait()`` *without* a timeout once it completed. A timed ``wait`` is not safe there: on NCCL it blocks
     and, on expiry, marks the work timed out and aborts the communicator (``ProcessGroupNCCL::WorkNCCL::wait``),
     which would tear down the job's group for a rank that is merely late.
-
   - ``"stream"`` (NCCL, inside a backward pass only: ``grad_wait``): a plain ``work.wait()``, which on NCCL makes the
     current stream wait for the collective and returns at once (``ProcessGroupNCCL::WorkNCCL::wait`` without a
     timeout), so the autograd thread is not blocked in CPU polling and DDP's overlap is kept. There is no timeout of
