@@ -93,7 +93,8 @@ def test_policy_for_reads_the_bound_device_of_the_group(monkeypatch):
 def test_a_group_without_a_backend_is_served_by_its_device_map():
     import torch.distributed as dist
 
-    assert not dist.is_initialized()
+    if dist.is_initialized():  # the distributed tests run in worker processes; this one needs a process of its own
+        pytest.skip("a process group is already initialised in the test process")
     dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # no backend: "undefined", lazily made
     try:
         assert str(dist.get_backend()) == "undefined"
