@@ -69,11 +69,21 @@ class Layout:
     # `cat` entries: the owning metric's (dtype, device), which an empty result takes when no rank knows a dtype
     # (stock sends ``torch.tensor([], dtype=self.dtype)`` for an empty `cat` list)
     empty: list[tuple[torch.dtype, torch.device] | None]
+    device: torch.device  # the metrics' device (`metrics_device`): equal on every rank, never the states' own
 
     def state_name(self, position: int) -> str:
         """``"<metric class>.<state>"`` of the entry at ``position``: error messages."""
         index, name = self.keys[position]
         return f"{self.classes[index]}.{name}"
+
+
+def metrics_device(metrics: Sequence[StockMetric]) -> torch.device:
+    """The device a sync of ``metrics`` is decided for: the first one not on the CPU (``Metric.device``), else the CPU.
+
+    Equal on every rank whatever the states hold (an empty list state has no device): it picks the backend of a group
+    with several (see :mod:`torchmetrics_varlen._policy`).
+    """
+    return next((m.device for m in metrics if m.device.type != "cpu"), torch.device("cpu"))
 
 
 def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
@@ -100,6 +110,7 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
         graph=any(_carries_graph(value) for value in states),
         classes=[type(metric).__name__ for metric in metrics],
         empty=[(metrics[i].dtype, metrics[i].device) if joined else None for (i, _), joined in zip(keys, cat)],
+        device=metrics_device(metrics),
     )
 
 
@@ -145,8 +156,13 @@ def run_layout(
     dst: int | None = None,
     phase: str = "compute",
     stop: Any = None,
+    device: torch.device | None = None,
 ) -> "_engine.Synced | None":
-    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``)."""
+    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
+
+    ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
+    results go to: the Join shadow, which must never touch CUDA, passes the CPU.
+    """
     return _engine.run(
         layout.entries,
         group,
@@ -161,6 +177,7 @@ def run_layout(
         dst=dst,
         grad="always" if phase == "step" else "if_graph",
         names=layout.state_name,
+        device=device or layout.device,
     )
 
 

@@ -1,6 +1,8 @@
 """``torchmetrics_varlen.Metric``: a torchmetrics base class whose sync is coalesced, varlen-safe and never doubled."""
 
+import copyreg
 import functools
+import importlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -117,13 +119,6 @@ class Metric(StockMetric, JoinableMetric):
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
         self._init_join()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        base = type(self).__dict__.get("_rebased_from")
-        if base is None:  # a class of its own (a subclass of this class or of a rebased one): pickled by reference
-            return super().__reduce_ex__(protocol)
-        # A rebased class is made at run time and named like its stock base: rebuild it from that base.
-        return _new_rebased, (base,), self.__getstate__()
 
     def __getstate__(self) -> dict[str, Any]:
         return self._join_state_for_pickle(super().__getstate__())
@@ -254,11 +249,45 @@ class Metric(StockMetric, JoinableMetric):
 _M = TypeVar("_M", bound=StockMetric)
 
 
-def _new_rebased(base: type[StockMetric]) -> StockMetric:
-    """An empty instance of ``rebase(base)``, for unpickling (its state is set next, as for any module)."""
-    cls: type[StockMetric] = rebase(base)
-    instance: StockMetric = object.__new__(cls)
-    return instance
+class _RebasedMeta(type(StockMetric)):  # type: ignore[misc]
+    """The metaclass of the classes :func:`rebase` makes: it only tells pickle how to find them again.
+
+    A rebased class is made at run time and named like its stock base, so pickle cannot look it up by module and
+    name. Pickled as "``rebase`` of its base" instead (the base by reference), it unpickles to the very same class in
+    this process (``rebase`` caches one class per base) and to an equivalent one in a fresh process. Pickling
+    instances needs nothing more: an instance pickles its class, then its state, as any module does.
+    """
+
+
+def _reduce_rebased_class(cls: type) -> Any:
+    base = cls.__dict__.get("_rebased_from")
+    if base is None:  # a class of its own deriving from a rebased one: by reference, as any class
+        return cls.__qualname__
+    # The base by module and name rather than by reference: code that swaps the rebased class in under the stock name
+    # (`module.BinaryAUROC = rebase(BinaryAUROC)`) makes pickle's own lookup of the base find the rebased class.
+    return _rebase_by_name, (base.__module__, base.__qualname__)
+
+
+def _rebase_by_name(module: str, qualname: str) -> type[StockMetric]:
+    """``rebase`` of the class named ``qualname`` in ``module``: unpickles a rebased class.
+
+    The name may hold the stock class or, where it was swapped in, the rebased class itself: both give the rebased one.
+    """
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return rebase(found)
+
+
+@functools.cache
+def _rebased_meta(meta: type) -> type:
+    """The metaclass of ``rebase(cls)`` for a class whose metaclass is ``meta`` (torchmetrics': ``ABCMeta``)."""
+    rebased_meta = (
+        _RebasedMeta if issubclass(_RebasedMeta, meta) else type(f"_Rebased{meta.__name__}", (meta, _RebasedMeta), {})
+    )
+    # copyreg's table is keyed by the exact metaclass; pickle consults it before its own "a class: by reference".
+    copyreg.pickle(rebased_meta, _reduce_rebased_class)
+    return rebased_meta
 
 
 @functools.cache
@@ -268,8 +297,10 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
     The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only
     the sync changes (one-shot, varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments).
     Its ``__name__`` and ``__qualname__`` are the stock ones, so collection keys, logged names and ``compute_groups``
-    given by class name stay as they are; its module is ``torchmetrics_varlen.metric``. Instances pickle, deep-copy
-    and ``torch.save`` anywhere the package is importable: they are rebuilt through ``rebase(metric_cls)``.
+    given by class name stay as they are; its module is ``torchmetrics_varlen.metric``. The class and its instances
+    pickle, deep-copy and ``torch.save`` anywhere the package is importable: the class pickles as
+    ``rebase(metric_cls)`` (``metric_cls`` by reference, so it must be importable), and unpickles to this very class
+    in the same process (one class per base is cached) and to an equivalent one in a fresh process.
 
     Args:
         metric_cls: a subclass of :class:`torchmetrics.Metric`.
@@ -312,5 +343,5 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
         "__doc__": metric_cls.__doc__,
         "_rebased_from": metric_cls,
     }
-    rebased = type(metric_cls.__name__, (metric_cls, Metric), namespace)
+    rebased = _rebased_meta(type(metric_cls))(metric_cls.__name__, (metric_cls, Metric), namespace)
     return rebased  # type: ignore[return-value]
