@@ -61,8 +61,8 @@ def body_join_ddp_loss(rank, world_size):
             step_values.append(loss.detach())
     epoch = metric.compute()
     metric._forward_cache = None  # holds the last loss with its graph, which deepcopy refuses (stock behaviour)
-    copied = metric.clone()  # a process group and a thread cannot be copied: the copy starts outside Join
-    assert copied._join_group is None and metric._join_group is not None
+    copied = metric.clone()  # a session holds a thread and a process group: the copy starts outside Join
+    assert copied._join_session is None and metric._join_group is not None
     torch.testing.assert_close(copied.compute(), epoch)
     # Reference: every sample any rank evaluated, gathered after the fact and scored by one process.
     local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
@@ -161,7 +161,7 @@ def body_join_refuses_what_it_cannot_shadow(rank, world_size):
         messages["model_as_metric"] = str(err)
     # The refused joins left the metric as it was: per-step syncs on its own group, outside any Join.
     value = metric(torch.full((2,), float(rank)), torch.zeros(2))
-    return {"messages": messages, "join_active": metric._join_active, "value": value.item()}
+    return {"messages": messages, "join_active": metric._join_session is not None, "value": value.item()}
 
 
 def test_join_refuses_what_it_cannot_shadow_on_every_rank():
@@ -183,7 +183,7 @@ def body_join_body_raises(rank, world_size):
         pass
     # Outside the join again: the per-step sync must use the metric's own group, not the join group.
     value = metric(torch.full((3,), float(rank + 1)), torch.zeros(3))
-    return {"join_active": metric._join_active, "enabled": metric._join_config.enable, "value": value.item()}
+    return {"join_active": metric._join_session is not None, "enabled": metric._join_config.enable, "value": value.item()}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -193,7 +193,7 @@ def test_a_join_whose_body_raises_leaves_join_mode(world_size):
         assert result == {"join_active": False, "enabled": False, "value": expected}
 
 
-def body_side_group_is_gloo(rank, world_size):
+def body_one_side_group_per_process_group(rank, world_size):
     calls = []
     original = dist.new_group
 
@@ -203,36 +203,28 @@ def body_side_group_is_gloo(rank, world_size):
 
     dist.new_group = recording_new_group
     try:
-        metric = BatchMSE()
-        with join(metric):
-            for x, y in _batches(rank, STEPS[world_size][rank]):
-                metric(x[:, 0].double(), y)
+        first, second, third = BatchMSE(), BatchMSE(), BatchMSE()
+        for metrics in [(first, second), (first, second), (third,)]:  # three joins, three metrics
+            with join(*metrics):
+                for x, y in _batches(rank, STEPS[world_size][rank]):
+                    for metric in metrics:
+                        metric(x[:, 0].double(), y)
     finally:
         dist.new_group = original
-    return {"backends": calls, "side": dist.get_backend(metric._join_group)}
+    side = first._join_group
+    return {
+        "backends": calls,
+        "side": dist.get_backend(side),
+        "shared": second._join_group is side and third._join_group is side,
+    }
 
 
-def test_the_join_side_group_is_gloo_whatever_the_main_backend():
-    # NCCL must not be driven from the worker thread and the main thread at once: the side group is always gloo.
-    for result in run_distributed(body_side_group_is_gloo, 2, deadline=60):
-        assert result == {"backends": ["gloo"], "side": "gloo"}
-
-
-def test_the_worker_thread_takes_the_metric_cuda_device(monkeypatch):
-    # The current CUDA device is per thread, and a new thread starts on device 0: the worker sets the metric's.
-    join_module = sys.modules["torchmetrics_varlen.join"]
-    calls = []
-    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    monkeypatch.setattr(join_module, "_shadow_once", lambda metric, values: False)  # one shadow, then stop
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)  # no process group in this process
-    for device, expected in [(torch.device("cuda", 1), [torch.device("cuda", 1)]), (torch.device("cpu"), [])]:
-        calls.clear()
-        metric = BatchMSE()
-        metric._device = device  # what `metric.to(device)` records; no tensor has to move for this check
-        hook = join_module.MetricJoinHook(metric)
-        hook.main_hook()
-        hook.post_hook(is_last_joiner=False)
-        assert calls == expected and hook.errors == []
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_gloo_side_group_per_process_group_made_once(world_size):
+    # One side group for every metric and every join on a process group (not one per metric: W-1 connections per
+    # process each), and gloo whatever the main backend: NCCL must not be driven from the worker thread.
+    for result in run_distributed(body_one_side_group_per_process_group, world_size, deadline=60, fresh=True):
+        assert result == {"backends": ["gloo"], "side": "gloo", "shared": True}
 
 
 def body_join_exchanges_take_sync_timeout(rank, world_size):
@@ -274,9 +266,9 @@ def _failing_empty_states(metric):
 
 
 def body_shadow_failure(rank, world_size, failing_rank):
-    join_module = sys.modules["torchmetrics_varlen.join"]
+    shadow_module = sys.modules["torchmetrics_varlen._join_shadow"]
     if rank == failing_rank:
-        join_module._empty_states = _failing_empty_states  # this process only: a fresh pool, closed afterwards
+        shadow_module.cpu_defaults = _failing_empty_states  # this process only: a fresh pool, closed afterwards
     metric = BatchMSE(sync_timeout=30)
     try:
         with join(metric):
@@ -303,8 +295,8 @@ def test_a_failing_shadow_makes_every_rank_fail_naming_it(world_size):
     assert "injected shadow failure" in outcomes[1]
 
 
-def _terminate_then_fail(metric):
-    _REAL_TERMINATE(metric)
+def _terminate_then_fail(*args):
+    _REAL_TERMINATE(*args)
     raise RuntimeError("injected failure after the terminate record")
 
 
@@ -313,10 +305,10 @@ _REAL_TERMINATE = None
 
 def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
     global _REAL_TERMINATE
-    join_module = sys.modules["torchmetrics_varlen.join"]
-    _REAL_TERMINATE = join_module._exchange_terminate
+    join_module = sys.modules["torchmetrics_varlen._join_shadow"]
+    _REAL_TERMINATE = join_module.exchange_terminate
     last_joiner = 0  # 10 steps, the most: it never shadows, it sends the terminate record
-    join_module._exchange_terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
+    join_module.exchange_terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
@@ -333,7 +325,7 @@ def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
         except RuntimeError as err:
             outcome = str(err)
     finally:
-        join_module._exchange_terminate = _REAL_TERMINATE
+        join_module.exchange_terminate = _REAL_TERMINATE
     # DDP's final model broadcast ran on every rank: the parameters agree.
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"outcome": outcome, "weights": torch.cat(gather_all_tensors(weights)).view(world_size, -1)}

@@ -137,9 +137,11 @@ class Metric(StockMetric, JoinableMetric):
     def _exchange(self, process_group: Any) -> StateDict:
         group = process_group or self.process_group
         phase = self._sync_phase()
-        if phase == "step":
-            group = self._step_sync_group(group)
         label = f"{type(self).__name__}.{phase}"
+        if phase == "step":  # inside Join, once some rank has joined: on the side group, shadowed by that rank
+            joined = self._join_step_sync(label)
+            if joined is not None:
+                return joined
         differentiable = self.sync_grads and torch.is_grad_enabled()
         return sync_states(
             [self], group, phase=phase, label=label, timeout=self.sync_timeout, differentiable=differentiable
