@@ -78,9 +78,13 @@ def side_group(group: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------------ records
-def step_context(metric: StockMetric) -> int:
-    """The context a per-step sync of ``metric`` carries in its record."""
-    return _protocol.context_hash(layout_text([metric], "step"))
+def step_context(metric: StockMetric, position: int) -> int:
+    """The context of a per-step sync on the side group of the join's metric at ``position``.
+
+    The position is part of it: two metrics of one class have the same layout but may have other defaults (a
+    ``num_classes``), and a worker must never answer one with the other's empty batch.
+    """
+    return _protocol.context_hash(f"{layout_text([metric], 'step')}|join:{position}")
 
 
 def verdict(table: Tensor, contexts: Sequence[int]) -> tuple[str, int]:
@@ -122,12 +126,13 @@ def failure_message(what: str, ranks: Sequence[int]) -> str:
 
 # ------------------------------------------------------------------------------------------- the running ranks
 def step_sync(
-    metric: StockMetric, side: Any, contexts: Sequence[int], label: str, timeout: float | None
+    metric: StockMetric, position: int, side: Any, contexts: Sequence[int], label: str, timeout: float | None
 ) -> StateDict:
     """A running rank's per-step sync on the side group: run again when a worker expected another metric."""
     stop: Callable[[Tensor], bool] = lambda table: verdict(table, contexts)[0] == RETRY  # noqa: E731
     while True:
         layout = sync_layout([metric], "step")
+        layout.context = contexts[position]
         synced = run_layout(layout, side, label=label, timeout=timeout, phase="step", stop=stop)
         if synced is not None:
             break
@@ -180,7 +185,7 @@ class Shadow:
         self.side = side
         self.timeout = timeout
         self.what = what
-        self.contexts = [step_context(metric) for metric in self.metrics]
+        self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
         self.errors: list[BaseException] = []
         self._values: list[StateDict] = []
         self._start_error: Exception | None = None
@@ -262,10 +267,9 @@ class Shadow:
             return outcome[0] != GO
 
         layout = sync_layout([metric], "step", [self._values[index]])
+        layout.context = self.contexts[index]
         label = f"{type(metric).__name__}.step"
-        run_layout(
-            layout, self.side, label=label, timeout=self.timeout, flags=FLAG_SHADOW, phase="step", stop=stop
-        )
+        run_layout(layout, self.side, label=label, timeout=self.timeout, flags=FLAG_SHADOW, phase="step", stop=stop)
         if failed:
             raise JoinShadowError(failure_message(self.what, failed))
         return seen[0]

@@ -77,7 +77,7 @@ class _Session:
                     " gradient (DDP then gives 1/world_size of the single-process gradient; scale the loss by the"
                     " world size)."
                 )
-        self.metrics = list(metrics)
+        self.metrics = [metric for i, metric in enumerate(metrics) if not any(metric is m for m in metrics[:i])]
         self.notifier = notifier
         self.ddp = ddp
         self.counted = counted
@@ -87,12 +87,12 @@ class _Session:
         self.world_size = dist.get_world_size(group)
         # A collective on the world the first time (every rank builds its Join at the same point); cached after.
         self.side = _join_shadow.side_group(self.metrics[0].process_group)
-        self.contexts = [_join_shadow.step_context(metric) for metric in self.metrics]
         self.joined = not counted
         self._pending: Any = None
         timeout = self.metrics[0].sync_timeout
         what = ", ".join(f"`{type(metric).__name__}`" for metric in self.metrics)
         self.shadow = _join_shadow.Shadow(self.metrics, self.side, timeout, what)
+        self.contexts = self.shadow.contexts
         self.errors: list[BaseException] = []
         self.owner: Join | None = None  # the plain Join that made it
         self._handle = ddp.register_forward_pre_hook(self._on_forward) if ddp is not None else None
@@ -278,7 +278,15 @@ class JoinableMetric(Joinable):
         side = session.step_group()
         if side is None:
             return None
-        return _join_shadow.step_sync(self, side, session.contexts, label, self.sync_timeout)  # type: ignore[arg-type]
+        position = next(index for index, metric in enumerate(session.metrics) if metric is self)  # not `==`
+        return _join_shadow.step_sync(
+            self,  # type: ignore[arg-type]
+            position,
+            side,
+            session.contexts,
+            label,
+            self.sync_timeout,
+        )
 
     @property
     def join_device(self) -> torch.device:
