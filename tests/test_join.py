@@ -620,3 +620,22 @@ def test_a_plain_join_with_the_metrics_first_is_exact(world_size, with_model):
         if with_model:  # DDP's final model broadcast ran on every rank
             for row in result["weights"]:
                 torch.testing.assert_close(row, result["weights"][0])
+
+
+# ------------------------------------------------------------------------- the GPU check's Join scenarios, on gloo
+def body_gpu_join_scenarios(rank, world_size):
+    from torchmetrics_varlen.tools._gpu_join_scenarios import SCENARIOS
+    from torchmetrics_varlen.tools._gpu_scenarios import Ctx
+
+    control = dist.new_group(backend="gloo")  # the check's verdict group: the package never touches it
+    ctx = Ctx("cpu", rank, world_size, torch.device("cpu"), control, None)
+    return [(scenario.name, scenario.run(ctx)) for scenario in SCENARIOS]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gpu_check_join_scenarios_pass_on_cpu(world_size):
+    # `nox -s gpu` runs them with CUDA states and NCCL; here their code runs with CPU states on gloo.
+    for result in run_distributed(body_gpu_join_scenarios, world_size, deadline=90):
+        names = [name for name, _ in result]
+        assert names == ["join-device-states", "join-plain-metrics-first", "join-metrics-alone"]
+        assert all("CPU tensors only" in line for _, line in result[:2])
