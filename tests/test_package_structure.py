@@ -49,7 +49,8 @@ def test_no_import_cycles():
 def test_type_checking_imports_count(tmp_path):
     # The cycle check reads imports under `if TYPE_CHECKING:` (the join <-> metric cycle was one).
     path = tmp_path / "probe.py"
-    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torchmetrics_varlen.metric import Metric\n")
+    probe = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from torchmetrics_varlen.metric import Metric\n"
+    path.write_text(probe)
     assert _top_level_imports(path, {"metric"}) == {"metric"}
 
 
