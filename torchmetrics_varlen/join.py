@@ -42,7 +42,7 @@ from torchmetrics_varlen import _join_shadow, _policy
 from torchmetrics_varlen._join_shadow import JoinShadowError
 from torchmetrics_varlen._state_sync import StateDict
 
-__all__ = ["JoinShadowError", "MetricJoinHook", "join"]
+__all__ = ["MetricJoinHook", "join"]
 
 _SETTLE_SECONDS = 2.0
 

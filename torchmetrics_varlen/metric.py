@@ -61,8 +61,9 @@ class Metric(StockMetric, JoinableMetric):
       cannot leave the others waiting.
     * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
       :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
-      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` holding
-      the metric raises ``ValueError``. ``dist_reduce_fx="mean"`` states would count the empty ranks.
+      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` works
+      with the metrics listed first (``Join([metric, ddp_model])``) and raises ``ValueError`` when another joinable
+      comes before a metric. ``dist_reduce_fx="mean"`` states would count the empty ranks.
     * **Clear failures.** Ranks syncing different metrics, layouts or phases raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
       :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
