@@ -64,6 +64,8 @@ class _Session:
         ddp: the DDP model whose forward starts the count, or None.
         counted: whether the count can be read (False: side group from the first sync).
         owned: made by :func:`join`, which raises the shadow's errors on exit (else the post hook reports them).
+        followed: another joinable's hook runs after this session's post hook (a plain ``Join``): errors are then
+            warned, since a raise would skip that hook.
     """
 
     def __init__(
