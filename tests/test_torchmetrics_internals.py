@@ -384,6 +384,18 @@ def test_torch_join_internals():
     # config Join sets (the `_join_config` attribute that `Join.notify_join_context` reads).
     assert "_join_config" in inspect.getsource(Join._set_joinable_configs), "torch changed Join._set_joinable_configs"
     assert "_join_config" in inspect.getsource(Join.notify_join_context), "torch changed Join.notify_join_context"
+    # A plain Join's metric finds the list of joinables (to refuse another joinable's hook before its own) on the
+    # Join being built: `_joinables` is set before the hooks are asked for, in list order.
+    init = inspect.getsource(Join.__init__)
+    assert init.index("self._joinables = joinables") < init.index("join_hook("), "torch changed Join.__init__"
+    # With a DDP model, the join's count of running ranks is started on DDP's forward by a forward pre-hook and
+    # handed to DDP's reducer as DDP's own notify would (DDP then is not the first joinable).
+    from torch.nn.parallel import DistributedDataParallel
+
+    pre_forward = inspect.getsource(DistributedDataParallel._pre_forward)
+    assert "_set_forward_pass_work_handle" in pre_forward and "_divide_by_initial_world_size" in pre_forward, (
+        "torch changed DistributedDataParallel._pre_forward"
+    )
 
 
 def test_process_group_bound_device_id():

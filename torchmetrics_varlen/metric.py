@@ -66,8 +66,9 @@ class Metric(StockMetric, JoinableMetric):
       ``sync_timeout`` it raises a ``SyncTimeoutError`` that names this case.
     * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
       :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
-      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` holding
-      the metric raises ``ValueError``. ``dist_reduce_fx="mean"`` states would count the empty ranks.
+      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` works
+      with the metrics listed first (``Join([metric, ddp_model])``) and raises ``ValueError`` when another joinable
+      comes before a metric. ``dist_reduce_fx="mean"`` states would count the empty ranks.
     * **Clear failures.** Ranks syncing different metrics, layouts or phases, or holding data that cannot be combined
       (another dtype, a ``cat`` state whose dims after the first differ), raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together, naming the state and each rank's shape and dtype;
@@ -137,9 +138,11 @@ class Metric(StockMetric, JoinableMetric):
     def _exchange(self, process_group: Any) -> StateDict:
         group = process_group or self.process_group
         phase = self._sync_phase()
-        if phase == "step":
-            group = self._step_sync_group(group)
         label = f"{type(self).__name__}.{phase}"
+        if phase == "step":  # inside Join, once some rank has joined: on the side group, shadowed by that rank
+            joined = self._join_step_sync(label)
+            if joined is not None:
+                return joined
         differentiable = self.sync_grads and torch.is_grad_enabled()
         return sync_states(
             [self], group, phase=phase, label=label, timeout=self.sync_timeout, differentiable=differentiable
@@ -343,5 +346,7 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
         "__doc__": metric_cls.__doc__,
         "_rebased_from": metric_cls,
     }
-    rebased = _rebased_meta(type(metric_cls))(metric_cls.__name__, (metric_cls, Metric), namespace)
-    return rebased  # type: ignore[return-value]
+    base_meta: type = type(metric_cls)
+    meta: Any = _rebased_meta(base_meta)
+    rebased: type[_M] = meta(metric_cls.__name__, (metric_cls, Metric), namespace)
+    return rebased
