@@ -88,6 +88,7 @@ class ExactEvaluation(Callback):  # type: ignore[misc,valid-type]
     # ------------------------------------------------------------------------------------------------ set-up
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Route evaluation loaders through the unpadded sampler and guard the strategy's collectives."""
+        self.teardown(trainer, pl_module, stage)  # a run that raised skips the teardown hook: never wrap twice
         connector = trainer._data_connector
         prepare = connector._prepare_dataloader
         self._patch(connector, "_prepare_dataloader", self._unpadded_prepare(trainer, connector, prepare))
