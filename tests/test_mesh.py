@@ -12,9 +12,9 @@ import torch
 from _helpers import split
 from conftest import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
+from torchmetrics.aggregation import SumMetric
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
-from torchmetrics.aggregation import SumMetric
 
 import torchmetrics_varlen as tv
 

@@ -72,7 +72,7 @@ class MetricCollection(StockMetricCollection):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Unpickled and deep-copied members get torchmetrics' plain `compute` back: join the copies again.
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._join_member_computes()
 
     def compute(self) -> dict[str, Any]:

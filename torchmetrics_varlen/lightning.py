@@ -16,7 +16,7 @@ from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the package imports without Lightning; the callback says what is missing when it is made
-    Callback = object
+    Callback = object  # type: ignore[misc,assignment]
     _LIGHTNING_ERROR: str | None = (
         "`torchmetrics_varlen.lightning.ExactEvaluation` needs Lightning: pip install 'torchmetrics-varlen[lightning]'"
     )

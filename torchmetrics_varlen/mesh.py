@@ -70,6 +70,6 @@ def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
     axes = [i for i, name in enumerate(names) if name not in wanted] + [names.index(name) for name in wanted]
     size = math.prod(mesh.mesh.shape[names.index(name)] for name in wanted)
     slices = mesh.mesh.permute(axes).reshape(-1, size).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(slices)
+    group, _ = dist.new_subgroups_by_enumeration(slices)  # type: ignore[no-untyped-call]
     _FLATTENED[key] = (mesh, group)
     return group
