@@ -201,3 +201,21 @@ def test_uneven_steps_raise_on_every_rank_instead_of_hanging():
         assert "rank 0: 4, rank 1: 3" in result["uneven_val"] and "on_step=True, sync_dist=True" in result["uneven_val"]
         assert result["uneven_train"] is not None, rank
         assert "rank 0: 3, rank 1: 2" in result["uneven_train"]
+
+
+def test_lightning_internals_the_callback_relies_on():
+    # ExactEvaluation wraps the data connector's `_prepare_dataloader(dataloader, shuffle, mode)`, asks
+    # `_requires_distributed_sampler` whether Lightning would shard a loader, and rebuilds it with `_update_dataloader`.
+    import inspect
+
+    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    assert list(inspect.signature(_DataConnector._prepare_dataloader).parameters) == [
+        "self",
+        "dataloader",
+        "shuffle",
+        "mode",
+    ]
+    assert list(inspect.signature(_DataConnector._requires_distributed_sampler).parameters) == ["self", "dataloader"]
+    assert list(inspect.signature(_update_dataloader).parameters)[:3] == ["dataloader", "sampler", "mode"]
