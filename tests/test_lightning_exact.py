@@ -57,6 +57,8 @@ class ExactModel(pl.LightningModule):
         self.log("val_mse", self.val_mse)
         self.val_metrics.update(scores, target)
         self.log_dict(self.val_metrics)  # members computed by Lightning at epoch end: one sync for all
+        # A plain tensor with sync_dist and the default on_step=False: reduced once at epoch end, fine when uneven.
+        self.log("val_batches", torch.tensor(1.0), reduce_fx="sum", sync_dist=True)
         if self.step_sync:  # a collective on every step: hangs when the ranks run different step counts
             self.log("val_loss", self.layer(x).pow(2).mean(), on_step=True, on_epoch=True, sync_dist=True)
 
@@ -151,6 +153,7 @@ def test_exact_evaluation_logs_single_process_values(world_size):
     val_batches = [r["batches"][0] for r in results]
     assert len(set(val_batches)) > 1, f"the point of the test: ranks with fewer batches ({val_batches})"
     for rank, result in enumerate(results):
+        assert result["fit"]["val_batches"] == sum(val_batches), rank  # Lightning's epoch-end reduction, uneven
         assert result["samplers"] == ["UnpaddedDistributedSampler", "UnpaddedDistributedSampler", True]
         for name, value in expected_fit.items():
             assert result["fit"][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (rank, name)
