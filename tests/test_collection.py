@@ -195,3 +195,20 @@ def test_members_computed_one_by_one_sync_the_collection_once(scenario):
         assert_same(result["copied"], result["expected"])
         assert_same(result["again"], result["expected"])
         assert all(0 < calls <= 2 for calls in result["calls"]), result["calls"]
+
+
+def body_one_member_of_a_partly_used_collection(rank, world_size):
+    """Only one member is updated and computed: the never-updated one (AUROC of nothing raises) must not break it."""
+    from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+
+    gen = torch.Generator().manual_seed(3)
+    scores, target = torch.rand(9, generator=gen), torch.randint(0, 2, (9,), generator=gen)
+    ours = MetricCollection({"acc": BinaryAccuracy(), "auroc": BinaryAUROC(thresholds=None)})
+    mine = split([6, 3], rank)
+    ours["acc"].update(scores[mine], target[mine])
+    return {"acc": ours["acc"].compute(), "expected": BinaryAccuracy()(scores, target)}
+
+
+def test_one_member_computed_while_another_was_never_updated():
+    for result in run_distributed(body_one_member_of_a_partly_used_collection, 2):
+        assert_same(result["acc"], result["expected"])

@@ -103,7 +103,7 @@ class MetricCollection(StockMetricCollection):
         members = [m for m in self._coalesced_members() if m._computed is None and m.compute_with_cache]
         if trigger not in members:
             return
-        self._sync_and_compute(members)
+        self._sync_and_compute(members, tolerant=True)
 
     def _coalesced_members(self) -> list[StockMetric]:
         """Members that take part in the one-shot sync, chosen from their configuration only (equal on all ranks).
@@ -143,8 +143,13 @@ class MetricCollection(StockMetricCollection):
             for metric in uncached:
                 vars(metric)["_computed"] = None
 
-    def _sync_and_compute(self, members: list[StockMetric]) -> None:
-        """One sync of ``members``' states, then each member's result from the global states into its cache."""
+    def _sync_and_compute(self, members: list[StockMetric], tolerant: bool = False) -> None:
+        """One sync of ``members``' states, then each member's result from the global states into its cache.
+
+        ``tolerant``: a member whose compute raises is left uncached (for one member's ``compute()``, the others are
+        computed ahead only to save their syncs: one never updated must not break it; its own ``compute()`` later
+        syncs on its own and raises what it would have raised).
+        """
         if members and _transport.world_of(None) is not None:
             synced = sync_states(members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout)
         else:  # a group of one: nothing to exchange (stock members would still gather with themselves)
@@ -155,6 +160,9 @@ class MetricCollection(StockMetricCollection):
                 _set_states(metric, states)
                 computed = Metric._finish(type(metric).compute(metric))  # the unwrapped compute
                 vars(metric)["_computed"] = computed  # a plain attribute, as `_set_states` explains
+            except Exception:
+                if not tolerant:
+                    raise
             finally:
                 _set_states(metric, local)
 
