@@ -44,6 +44,10 @@ class ExactModel(pl.LightningModule):
         )
         self.test_mse = MeanSquaredError()
         self.seen = {"val": [], "test": []}
+        self.val_samplers = []
+
+    def on_validation_epoch_start(self):
+        self.val_samplers.append(type(self.trainer.val_dataloaders.sampler).__name__)
 
     def training_step(self, batch, batch_idx):
         return self.layer(batch[0]).pow(2).mean()
@@ -119,11 +123,18 @@ def body_exact(rank, world_size):
         val_sampler = trainer.val_dataloaders.sampler
         trainer.test(model, test)
         test_values = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    test_sampler = trainer.test_dataloaders.sampler
+        test_sampler = trainer.test_dataloaders.sampler
+        # A custom sampler (here a reversed order): Lightning's own unrepeated wrapper around it.
+        fit_seen = len(model.seen["val"])
+        trainer.validate(model, DataLoader(_data(N_VAL, 2), batch_size=EVAL_BATCH, sampler=list(range(N_VAL))[::-1]))
+        custom_values = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    samplers = [type(val_sampler).__name__, type(test_sampler).__name__, test_sampler.shuffle]
     return {
         "fit": fit_values,
         "test": test_values,
-        "samplers": [type(val_sampler).__name__, type(test_sampler).__name__, test_sampler.shuffle],
+        "custom": custom_values,
+        "samplers": [*samplers, model.val_samplers[-1]],
+        "custom_seen": torch.cat(model.seen["val"][fit_seen:]).tolist(),
         "seen": {stage: torch.cat(parts).tolist() for stage, parts in model.seen.items()},
         "batches": [trainer.num_val_batches[0], trainer.num_test_batches[0]],
         "syncs": labels,
@@ -145,7 +156,8 @@ def test_exact_evaluation_logs_single_process_values(world_size):
         "valcol_ap": binary_average_precision(s_val, t_val).item(),
     }
     expected_test = {"test_mse": ((s_test.double() - t_test.double()) ** 2).mean().item()}
-    seen_val = [i for r in results for i in r["seen"]["val"]]
+    seen_val = [i for r in results for i in r["seen"]["val"][: len(r["seen"]["val"]) - len(r["custom_seen"])]]
+    assert sorted(i for r in results for i in r["custom_seen"]) == list(range(N_VAL)), "custom sampler: each once"
     seen_test = [i for r in results for i in r["seen"]["test"]]
     assert sorted(seen_val) == list(range(N_VAL)), "every validation sample exactly once, no padding"
     assert sorted(seen_test) == list(range(N_TEST)), "every test sample exactly once, no padding"
@@ -154,15 +166,23 @@ def test_exact_evaluation_logs_single_process_values(world_size):
     assert len(set(val_batches)) > 1, f"the point of the test: ranks with fewer batches ({val_batches})"
     for rank, result in enumerate(results):
         assert result["fit"]["val_batches"] == sum(val_batches), rank  # Lightning's epoch-end reduction, uneven
-        assert result["samplers"] == ["UnpaddedDistributedSampler", "UnpaddedDistributedSampler", True]
+        assert result["samplers"] == [
+            "UnpaddedDistributedSampler",
+            "UnpaddedDistributedSampler",
+            True,
+            "UnrepeatedDistributedSamplerWrapper",
+        ]
+        for name, value in expected_fit.items():  # `validate` with the custom sampler
+            assert result["custom"][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (rank, name)
         for name, value in expected_fit.items():
             assert result["fit"][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (rank, name)
         for name, value in expected_test.items():
             assert result["test"][name] == pytest.approx(value, rel=1e-6, abs=1e-7), (rank, name)
-        # One sync per logged metric object and one for the whole logged collection, the same on every rank.
-        assert sorted(result["syncs"]) == sorted(
-            ["BinaryAUROC.compute", "MeanSquaredError.compute", "MetricCollection", "MeanSquaredError.compute"]
-        ), (rank, result["syncs"])
+        # One sync per logged metric object and one for the whole logged collection, the same on every rank:
+        # validation in fit and in validate (AUROC, MSE, the collection), the test MSE.
+        validation = ["BinaryAUROC.compute", "MeanSquaredError.compute", "MetricCollection"]
+        expected_syncs = sorted([*validation, *validation, "MeanSquaredError.compute"])
+        assert sorted(result["syncs"]) == expected_syncs, (rank, result["syncs"])
 
 
 def _outcome(fit):
