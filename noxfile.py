@@ -123,7 +123,8 @@ def gpu(session: nox.Session) -> None:
     else is missing; nothing is installed into your own environment.
 
     One process per GPU; with one GPU, two processes sharing it (NCCL needs a GPU per rank, so they run the CUDA
-    states over gloo scenarios). No GPU: it says so and exits 0. Arguments after ``--`` go to the check.
+    states over gloo scenarios). No GPU: it says so and exits 0. Arguments after ``--`` go to the check;
+    ``nox -s gpu -- --list`` prints the scenarios' names, with or without a GPU.
     """
     outer = [path for path in [*site.getsitepackages(), site.getusersitepackages()] if Path(path).is_dir()]
     purelib = session.run(
@@ -136,9 +137,13 @@ def gpu(session: nox.Session) -> None:
         gpus = int(str(session.run("python", "-c", count, silent=True, log=False)).strip().splitlines()[-1])
     except (nox.command.CommandFailed, ValueError):
         session.skip("torch is not importable from the Python that runs nox: install your CUDA build of torch there")
-    if gpus == 0:
+    listing = "--list" in session.posargs  # the scenarios' names: no GPU and no torchrun needed
+    if gpus == 0 and not listing:
         session.skip("no CUDA GPU visible to torch: nothing to check on NCCL (the tests run the check with --cpu)")
     session.install("-e", ".")
+    if listing:
+        session.run("python", "-m", "torchmetrics_varlen.tools.gpu_check", *session.posargs)
+        return
     session.run(
         "python",
         "-m",

@@ -179,6 +179,67 @@ def test_rebased_class_unpickles_in_a_fresh_process(tmp_path):
     assert out.stdout.split() == ["RetrievalMAP", "True", str(round(RetrievalMAP()(*_retrieval()).item(), 4))]
 
 
+def _rebased_classes():
+    return [rebase(BinaryAUROC), rebase(RetrievalMAP), rebase(MulticlassAccuracy), rebase(StockSum)]
+
+
+class SubOfRebased(rebase(StockSum)):
+    """A class of its own deriving from a rebased one: pickled by reference, like any module-level class."""
+
+
+@pytest.mark.parametrize("how", ["pickle", "multiprocessing", "deepcopy"])
+def test_rebased_class_objects_pickle_to_the_same_class(how):
+    # Issue 19 item 1: torchmetrics' test pool (and mp.spawn, pickled configs) sends the metric *class* to workers.
+    import multiprocessing.reduction
+
+    for cls in [*_rebased_classes(), SubOfRebased]:
+        if how == "pickle":
+            copied = pickle.loads(pickle.dumps(cls))
+        elif how == "multiprocessing":
+            copied = pickle.loads(multiprocessing.reduction.ForkingPickler.dumps(cls))
+        else:
+            copied = copy.deepcopy(cls)
+        assert copied is cls, (cls, copied)
+
+
+def test_rebased_class_pickles_when_swapped_in_under_the_stock_name(monkeypatch):
+    # Code that swaps rebased classes in under the stock names (as torchmetrics' suite runner does) must still pickle
+    # them: pickle's own lookup of the base by reference would find the rebased class and refuse.
+    import torchmetrics.classification.accuracy as accuracy_module
+    from torchmetrics.classification.accuracy import BinaryAccuracy
+
+    rebased = rebase(BinaryAccuracy)
+    monkeypatch.setattr(accuracy_module, "BinaryAccuracy", rebased)
+    assert pickle.loads(pickle.dumps(rebased)) is rebased
+    metric = rebased()
+    metric.update(torch.tensor([0.9, 0.2, 0.7]), torch.tensor([1, 0, 0]))
+    copied = pickle.loads(pickle.dumps(metric))
+    assert type(copied) is rebased
+    assert copied.compute() == BinaryAccuracy()(torch.tensor([0.9, 0.2, 0.7]), torch.tensor([1, 0, 0]))
+
+
+def _build_and_compute(cls):
+    """Run in a spawned process: the class arrives pickled, as torchmetrics' test pool sends it."""
+    metric = cls()
+    metric.update(*_retrieval())
+    return type(metric).__name__, type(metric).__module__, isinstance(metric, tv.Metric), metric.compute().item()
+
+
+def test_rebased_class_crosses_to_a_spawned_process():
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        name, module, ours, value = pool.apply(_build_and_compute, (rebase(RetrievalMAP),))
+    assert (name, module, ours) == ("RetrievalMAP", "torchmetrics_varlen.metric", True)
+    assert value == pytest.approx(RetrievalMAP()(*_retrieval()).item())
+
+
+def test_rebased_class_keeps_stock_metaclass_behaviour():
+    cls = rebase(BinaryAUROC)
+    assert isinstance(cls, type(BinaryAUROC))  # still an ABCMeta class: isinstance/ABC checks unchanged
+    assert issubclass(cls, BinaryAUROC) and issubclass(cls, tv.Metric)
+
+
 def _retrieval():
     return torch.tensor([0.2, 0.9, 0.4]), torch.tensor([0, 1, 1]), torch.tensor([0, 0, 0])
 

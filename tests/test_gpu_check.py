@@ -15,8 +15,8 @@ from torchmetrics_varlen.tools import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ["-m", "torchmetrics_varlen.tools.gpu_check"]
-TIMEOUT = 120  # seconds; a healthy --cpu run takes about 25 s on 2 shared cores
-GPU_ONLY = {"mixed-devices"}  # what --cpu cannot stand in for
+TIMEOUT = 180  # seconds; a healthy --cpu run takes about 35 s on 2 shared cores
+GPU_ONLY = {"mixed-devices", "device-id-no-set-device", "sync-in-cuda-stream"}  # what --cpu cannot stand in for
 FINDINGS = {"group-after-timeout"}  # PASS where the backend can reuse the group, NOTE (a finding) where it cannot
 
 
@@ -51,6 +51,20 @@ def test_every_scenario_passes_on_gloo_cpu(tmp_path):
     assert "no error" in verdicts["late-rank"][1]
     assert "mode cpu (job group gloo), 2 ranks" in stdout
     assert "gpu_check: " in stdout.splitlines()[-1] and " 0 failed" in stdout.splitlines()[-1], output
+
+
+def test_list_prints_every_scenario_without_gpu_or_torchrun(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert gpu_check.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [scenario.name for scenario in gpu_check.SCENARIOS]
+    names = {line.split()[0] for line in lines}
+    # issue 20's scenarios about where a sync runs
+    assert {"two-backend-empty-rank", "device-id-no-set-device", "sync-grads-cpu-states"} <= names
+    assert {"sync-grads-cuda-states", "sync-in-cuda-stream"} <= names
+    # the scenarios that leave a collective pending on the job's group come last
+    assert [line.split()[0] for line in lines][-2:] == ["missing-rank", "group-after-timeout"]
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):

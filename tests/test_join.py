@@ -1,6 +1,8 @@
 """Join: ranks with fewer steps shadow the metric's per-step syncs; nothing hangs; values stay exact."""
 
 import sys
+import threading
+from typing import ClassVar
 
 import pytest
 import torch
@@ -61,8 +63,8 @@ def body_join_ddp_loss(rank, world_size):
             step_values.append(loss.detach())
     epoch = metric.compute()
     metric._forward_cache = None  # holds the last loss with its graph, which deepcopy refuses (stock behaviour)
-    copied = metric.clone()  # a process group and a thread cannot be copied: the copy starts outside Join
-    assert copied._join_group is None and metric._join_group is not None
+    copied = metric.clone()  # a session holds a thread and a process group: the copy starts outside Join
+    assert copied._join_session is None and metric._join_group is not None
     torch.testing.assert_close(copied.compute(), epoch)
     # Reference: every sample any rank evaluated, gathered after the fact and scored by one process.
     local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
@@ -161,13 +163,14 @@ def body_join_refuses_what_it_cannot_shadow(rank, world_size):
         messages["model_as_metric"] = str(err)
     # The refused joins left the metric as it was: per-step syncs on its own group, outside any Join.
     value = metric(torch.full((2,), float(rank)), torch.zeros(2))
-    return {"messages": messages, "join_active": metric._join_active, "value": value.item()}
+    return {"messages": messages, "join_active": metric._join_session is not None, "value": value.item()}
 
 
 def test_join_refuses_what_it_cannot_shadow_on_every_rank():
     for result in run_distributed(body_join_refuses_what_it_cannot_shadow, 2, deadline=60):
         assert "sync_grads" in result["messages"]["sync_grads"]
         assert "torchmetrics_varlen.join(ddp_model, metric" in result["messages"]["plain"]
+        assert "List the metrics first" in result["messages"]["plain"]
         assert "DistributedDataParallel" in result["messages"]["model_as_metric"]
         assert result["join_active"] is False
         assert result["value"] == (0**2 + 0**2 + 1**2 + 1**2) / 4  # the global batch of both ranks
@@ -183,7 +186,8 @@ def body_join_body_raises(rank, world_size):
         pass
     # Outside the join again: the per-step sync must use the metric's own group, not the join group.
     value = metric(torch.full((3,), float(rank + 1)), torch.zeros(3))
-    return {"join_active": metric._join_active, "enabled": metric._join_config.enable, "value": value.item()}
+    active = metric._join_session is not None
+    return {"join_active": active, "enabled": metric._join_config.enable, "value": value.item()}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -193,7 +197,7 @@ def test_a_join_whose_body_raises_leaves_join_mode(world_size):
         assert result == {"join_active": False, "enabled": False, "value": expected}
 
 
-def body_side_group_is_gloo(rank, world_size):
+def body_one_side_group_per_process_group(rank, world_size):
     calls = []
     original = dist.new_group
 
@@ -203,36 +207,28 @@ def body_side_group_is_gloo(rank, world_size):
 
     dist.new_group = recording_new_group
     try:
-        metric = BatchMSE()
-        with join(metric):
-            for x, y in _batches(rank, STEPS[world_size][rank]):
-                metric(x[:, 0].double(), y)
+        first, second, third = BatchMSE(), BatchMSE(), BatchMSE()
+        for metrics in [(first, second), (first, second), (third,)]:  # three joins, three metrics
+            with join(*metrics):
+                for x, y in _batches(rank, STEPS[world_size][rank]):
+                    for metric in metrics:
+                        metric(x[:, 0].double(), y)
     finally:
         dist.new_group = original
-    return {"backends": calls, "side": dist.get_backend(metric._join_group)}
+    side = first._join_group
+    return {
+        "backends": calls,
+        "side": dist.get_backend(side),
+        "shared": second._join_group is side and third._join_group is side,
+    }
 
 
-def test_the_join_side_group_is_gloo_whatever_the_main_backend():
-    # NCCL must not be driven from the worker thread and the main thread at once: the side group is always gloo.
-    for result in run_distributed(body_side_group_is_gloo, 2, deadline=60):
-        assert result == {"backends": ["gloo"], "side": "gloo"}
-
-
-def test_the_worker_thread_takes_the_metric_cuda_device(monkeypatch):
-    # The current CUDA device is per thread, and a new thread starts on device 0: the worker sets the metric's.
-    join_module = sys.modules["torchmetrics_varlen.join"]
-    calls = []
-    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    monkeypatch.setattr(join_module, "_shadow_once", lambda metric, values: False)  # one shadow, then stop
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)  # no process group in this process
-    for device, expected in [(torch.device("cuda", 1), [torch.device("cuda", 1)]), (torch.device("cpu"), [])]:
-        calls.clear()
-        metric = BatchMSE()
-        metric._device = device  # what `metric.to(device)` records; no tensor has to move for this check
-        hook = join_module.MetricJoinHook(metric)
-        hook.main_hook()
-        hook.post_hook(is_last_joiner=False)
-        assert calls == expected and hook.errors == []
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_gloo_side_group_per_process_group_made_once(world_size):
+    # One side group for every metric and every join on a process group (not one per metric: W-1 connections per
+    # process each), and gloo whatever the main backend: NCCL must not be driven from the worker thread.
+    for result in run_distributed(body_one_side_group_per_process_group, world_size, deadline=60, fresh=True):
+        assert result == {"backends": ["gloo"], "side": "gloo", "shared": True}
 
 
 def body_join_exchanges_take_sync_timeout(rank, world_size):
@@ -274,9 +270,9 @@ def _failing_empty_states(metric):
 
 
 def body_shadow_failure(rank, world_size, failing_rank):
-    join_module = sys.modules["torchmetrics_varlen.join"]
+    shadow_module = sys.modules["torchmetrics_varlen._join_shadow"]
     if rank == failing_rank:
-        join_module._empty_states = _failing_empty_states  # this process only: a fresh pool, closed afterwards
+        shadow_module.cpu_defaults = _failing_empty_states  # this process only: a fresh pool, closed afterwards
     metric = BatchMSE(sync_timeout=30)
     try:
         with join(metric):
@@ -303,8 +299,8 @@ def test_a_failing_shadow_makes_every_rank_fail_naming_it(world_size):
     assert "injected shadow failure" in outcomes[1]
 
 
-def _terminate_then_fail(metric):
-    _REAL_TERMINATE(metric)
+def _terminate_then_fail(*args):
+    _REAL_TERMINATE(*args)
     raise RuntimeError("injected failure after the terminate record")
 
 
@@ -313,10 +309,10 @@ _REAL_TERMINATE = None
 
 def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
     global _REAL_TERMINATE
-    join_module = sys.modules["torchmetrics_varlen.join"]
-    _REAL_TERMINATE = join_module._exchange_terminate
+    join_module = sys.modules["torchmetrics_varlen._join_shadow"]
+    _REAL_TERMINATE = join_module.exchange_terminate
     last_joiner = 0  # 10 steps, the most: it never shadows, it sends the terminate record
-    join_module._exchange_terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
+    join_module.exchange_terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
@@ -333,7 +329,7 @@ def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
         except RuntimeError as err:
             outcome = str(err)
     finally:
-        join_module._exchange_terminate = _REAL_TERMINATE
+        join_module.exchange_terminate = _REAL_TERMINATE
     # DDP's final model broadcast ran on every rank: the parameters agree.
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"outcome": outcome, "weights": torch.cat(gather_all_tensors(weights)).view(world_size, -1)}
@@ -383,3 +379,263 @@ def body_no_process_group_outlives_destroy(rank, world_size):
 def test_no_process_group_outlives_destroy_process_group():
     for result in run_distributed(body_no_process_group_outlives_destroy, 2, deadline=60, fresh=True):
         assert result == {"world": True, "side": True, "metric_group": True}
+
+
+# ------------------------------------------------------------------------------- the shadow never touches CUDA
+class MainThreadOnly(torch.Tensor):
+    """A tensor that records every torch operation run on it from a thread other than the test body's.
+
+    Stands for a CUDA tensor, which a worker thread must never copy (see `_join_shadow`): on a machine without a GPU,
+    this is how a test sees what the worker touches.
+    """
+
+    body_thread = None
+    touched: ClassVar[list] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if threading.current_thread() is not cls.body_thread:
+            cls.touched.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class GuardedSum(Metric):
+    """A per-step sum whose default (what a joined rank sends) may be touched from the body's thread only."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(dist_sync_on_step=True, **kwargs)
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("seen", default=[], dist_reduce_fx="cat")
+        self._defaults["total"] = self._defaults["total"].as_subclass(MainThreadOnly)  # what a joined rank sends
+
+    def update(self, x):
+        self.total = self.total + x.sum()
+        self.seen.append(x)
+
+    def compute(self):
+        return self.total
+
+
+def body_shadow_sees_only_cpu_tensors(rank, world_size):
+    import torchmetrics_varlen._engine as engine
+
+    MainThreadOnly.body_thread = threading.current_thread()
+    MainThreadOnly.touched = []
+    original = engine.run
+    handed = []
+
+    def recording(entries, group, **kwargs):
+        if threading.current_thread() is not MainThreadOnly.body_thread:  # the shadow
+            for entry in entries:
+                for tensor in entry if isinstance(entry, list) else [entry]:
+                    handed.append((type(tensor).__name__, str(tensor.device)))
+        return original(entries, group, **kwargs)
+
+    engine.run = recording
+    try:
+        metric = GuardedSum()
+        steps = STEPS[world_size][rank]
+        values = []
+        with join(metric):
+            for step in range(steps):
+                values.append(float(metric(torch.full((2,), float(rank + step), dtype=torch.float64))))
+        epoch = float(metric.compute())
+    finally:
+        engine.run = original
+    # Truth: at step s, every rank that still has a step s adds 2 * (rank + s).
+    expected = [sum(2.0 * (r + s) for r in range(world_size) if s < STEPS[world_size][r]) for s in range(steps)]
+    total = sum(2.0 * (r + s) for r in range(world_size) for s in range(STEPS[world_size][r]))
+    return {"touched": MainThreadOnly.touched, "handed": handed, "values": values, "expected": expected,
+            "epoch": epoch, "total": total}  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_shadow_thread_sends_plain_cpu_copies_made_on_the_main_thread(world_size):
+    # The worker of a joined rank must never touch a CUDA state (a copy on the stream it shares with the main thread
+    # deadlocks against NCCL work). It gets CPU copies of the defaults, made on the main thread before it starts.
+    results = run_distributed(body_shadow_sees_only_cpu_tensors, world_size, deadline=60)
+    shadowing = [rank for rank in range(world_size) if STEPS[world_size][rank] < max(STEPS[world_size])]
+    for rank, result in enumerate(results):
+        assert result["touched"] == []
+        assert set(result["handed"]) == ({("Tensor", "cpu")} if rank in shadowing else set())
+        assert result["values"] == result["expected"]
+        assert result["epoch"] == result["total"]
+
+
+# ----------------------------------------------------------- which group carries the per-step syncs, and when
+UNEVEN = {2: [6, 4], 3: [6, 4, 5]}
+
+
+def body_step_syncs_switch_groups_together(rank, world_size, with_model):
+    import torchmetrics_varlen._engine as engine
+
+    original = engine.run
+    groups = []
+
+    def recording(entries, group, **kwargs):
+        if threading.current_thread() is threading.main_thread() and kwargs["label"] == "BatchMSE.step":
+            groups.append(group)
+        return original(entries, group, **kwargs)
+
+    engine.run = recording
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double()) if with_model else None
+        metric = BatchMSE()
+        values, seen_preds, seen_target = [], [], []
+        with join(model, metric):
+            for x, y in _batches(rank, UNEVEN[world_size][rank], seed=3):
+                preds = model(x.double()).squeeze(-1) if with_model else x[:, 0].double()
+                loss = metric(preds, y.double())
+                if with_model:
+                    loss.backward()  # DDP's backward all-reduces, shadowed by DDP's join hook
+                    model.zero_grad()
+                values.append(loss.detach())
+                seen_preds.append(preds.detach())
+                seen_target.append(y.double())
+        epoch = metric.compute()
+    finally:
+        engine.run = original
+    side = metric._join_group
+    where = ["side" if group is side else "own" if group is None else "other" for group in groups]
+    all_p = torch.cat(gather_all_tensors(torch.cat(seen_preds)))
+    all_t = torch.cat(gather_all_tensors(torch.cat(seen_target)))
+    return {"where": where, "values": values, "epoch": epoch, "expected": ((all_p - all_t) ** 2).mean()}
+
+
+@pytest.mark.parametrize("with_model", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_step_syncs_use_the_metric_group_until_a_rank_joins(world_size, with_model):
+    # Step s travels on the metric's own group while every rank still runs; from the first step at which some rank
+    # has joined, on the side group, on every running rank alike (they all read Join's count of running ranks).
+    steps = UNEVEN[world_size]
+    results = run_distributed(body_step_syncs_switch_groups_together, world_size, with_model=with_model, deadline=60)
+    for rank, result in enumerate(results):
+        assert result["where"] == ["own" if step < min(steps) else "side" for step in range(steps[rank])]
+        torch.testing.assert_close(result["epoch"], result["expected"])
+    if not with_model:  # the global batch of each step, as one process computes it
+        everything = [_batches(r, steps[r], seed=3) for r in range(world_size)]
+        for result in results:
+            for step, got in enumerate(result["values"]):
+                xs = torch.cat([b[step][0][:, 0] for b in everything if step < len(b)]).double()
+                ys = torch.cat([b[step][1] for b in everything if step < len(b)]).double()
+                torch.testing.assert_close(got, ((xs - ys) ** 2).mean())
+
+
+class Histogram(Metric):
+    """Per-bin sums: two instances of one class with different defaults (a worker must not mix them up)."""
+
+    full_state_update = False
+
+    def __init__(self, bins, **kwargs):
+        super().__init__(dist_sync_on_step=True, **kwargs)
+        self.add_state("counts", default=torch.zeros(bins, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values):
+        self.counts = self.counts + torch.bincount(values, minlength=len(self.counts)).double()
+
+    def compute(self):
+        return self.counts
+
+
+def _histogram_steps(rank, steps):
+    gen = torch.Generator().manual_seed(7 + rank)
+    return [torch.randint(0, 3, (4,), generator=gen) for _ in range(steps)]
+
+
+def body_metrics_in_changing_order(rank, world_size):
+    small, large = Histogram(3), Histogram(5)
+    got = []
+    with join(small, large):
+        for step, values in enumerate(_histogram_steps(rank, UNEVEN[world_size][rank])):
+            # Every iteration its own order and number of syncs: the workers guess, and the ranks retry on a miss.
+            order = [small, large] if step % 2 == 0 else [large, small, large]
+            got.append([metric(values).clone() for metric in order])
+    return {"got": got, "small": small.compute(), "large": large.compute()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_metrics_synced_in_a_changing_order_stay_exact(world_size):
+    steps = UNEVEN[world_size]
+    data = [_histogram_steps(r, steps[r]) for r in range(world_size)]
+    results = run_distributed(body_metrics_in_changing_order, world_size, deadline=60)
+    for result in results:
+        for step, values in enumerate(result["got"]):
+            batch = torch.cat([d[step] for d in data if step < len(d)])
+            bins = [3, 5] if step % 2 == 0 else [5, 3, 5]
+            for value, width in zip(values, bins):
+                torch.testing.assert_close(value, torch.bincount(batch, minlength=width).double())
+        everything = torch.cat([v for d in data for v in d])
+        # Each update counts once per call: `large` sees odd steps twice.
+        large_calls = torch.cat([v for d in data for s, v in enumerate(d) for _ in range(1 if s % 2 == 0 else 2)])
+        torch.testing.assert_close(result["small"], torch.bincount(everything, minlength=3).double())
+        torch.testing.assert_close(result["large"], torch.bincount(large_calls, minlength=5).double())
+
+
+# ------------------------------------------------------------------------------------------------ plain Join
+def body_plain_join(rank, world_size, with_model):
+    torch.manual_seed(0)
+    metric = BatchMSE()
+    seen_preds, seen_target = [], []
+    if with_model:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        joinables = [metric, model]  # the metrics first: their hook starts the shadow before DDP's blocks
+    else:
+        joinables = [metric]
+    with Join(joinables):
+        for x, y in _batches(rank, STEPS[world_size][rank], seed=4):
+            preds = model(x.double()).squeeze(-1) if with_model else x[:, 0].double()
+            loss = metric(preds, y)
+            if with_model:
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            seen_preds.append(preds.detach())
+            seen_target.append(y.double())
+    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
+    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
+    all_p, all_t = torch.cat(gather_all_tensors(local_p)), torch.cat(gather_all_tensors(local_t))
+    weights = None
+    if with_model:
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        weights = torch.cat(gather_all_tensors(flat)).view(world_size, -1)
+    return {
+        "epoch": metric.compute(),
+        "expected": ((all_p - all_t) ** 2).mean(),
+        "weights": weights,
+        "left": metric._join_session is None and not metric._join_config.enable,
+    }
+
+
+@pytest.mark.parametrize("with_model", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_plain_join_with_the_metrics_first_is_exact(world_size, with_model):
+    # Torch's own Joinable contract: Join([metric]) or Join([metric, ddp_model]) cannot deadlock, so both work.
+    for result in run_distributed(body_plain_join, world_size, with_model=with_model, deadline=60):
+        torch.testing.assert_close(result["epoch"], result["expected"])
+        assert result["left"]
+        if with_model:  # DDP's final model broadcast ran on every rank
+            for row in result["weights"]:
+                torch.testing.assert_close(row, result["weights"][0])
+
+
+# ------------------------------------------------------------------------- the GPU check's Join scenarios, on gloo
+def body_gpu_join_scenarios(rank, world_size):
+    from torchmetrics_varlen.tools._gpu_join_scenarios import SCENARIOS
+    from torchmetrics_varlen.tools._gpu_scenarios import Ctx
+
+    control = dist.new_group(backend="gloo")  # the check's verdict group: the package never touches it
+    ctx = Ctx("cpu", rank, world_size, torch.device("cpu"), control, None)
+    return [(scenario.name, scenario.run(ctx)) for scenario in SCENARIOS]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gpu_check_join_scenarios_pass_on_cpu(world_size):
+    # `nox -s gpu` runs them with CUDA states and NCCL; here their code runs with CPU states on gloo.
+    for result in run_distributed(body_gpu_join_scenarios, world_size, deadline=90):
+        names = [name for name, _ in result]
+        assert names == ["join-device-states", "join-plain-metrics-first", "join-metrics-alone"]
+        assert all("CPU tensors only" in line for _, line in result[:2])

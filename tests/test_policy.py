@@ -4,23 +4,105 @@ import pytest
 import torch
 
 from torchmetrics_varlen import _policy
-from torchmetrics_varlen._policy import PeerFailedError, buffer_device, wait_for, wait_mode
+from torchmetrics_varlen._policy import Facts, PeerFailedError, buffer_device, decide, wait_for, wait_mode
+
+CPU, CUDA0, CUDA1, CUDA2 = (torch.device("cpu"), *(torch.device("cuda", i) for i in range(3)))
+TWO = "cpu:gloo,cuda:nccl"
 
 
 @pytest.mark.parametrize(
-    ("backend", "like", "expected"),
+    ("facts", "expected"),
     [
-        ("nccl", torch.device("cpu"), torch.device("cuda", 3)),  # CPU states (compute_on_cpu) go to the GPU
-        ("nccl", torch.device("cuda", 1), torch.device("cuda", 1)),  # CUDA states stay on their device
-        ("gloo", torch.device("cuda", 0), torch.device("cpu")),  # CUDA states over gloo move through the host
-        ("gloo", torch.device("cpu"), torch.device("cpu")),
-        ("cpu:gloo,cuda:nccl", torch.device("cpu"), torch.device("cpu")),
-        ("cpu:gloo,cuda:nccl", torch.device("cuda", 2), torch.device("cuda", 2)),
-        ("mpi", torch.device("cpu"), torch.device("cpu")),  # any other backend: the states' own device
+        (Facts("nccl", CPU, current_cuda=3), torch.device("cuda", 3)),  # CPU states (compute_on_cpu) go to the GPU
+        (Facts("nccl", CUDA1, current_cuda=0), CUDA1),  # CUDA states stay on the metric's device
+        # init_process_group(device_id=...) without set_device: the current device is 0 on every local rank, the
+        # bound device is right (issue 20, item 3); it wins over the metric's device too
+        (Facts("nccl", CPU, bound=CUDA2, current_cuda=0), CUDA2),
+        (Facts("nccl", CUDA1, bound=CUDA2, current_cuda=0), CUDA2),
+        (Facts("nccl", None, local=CUDA1, current_cuda=0), CUDA1),  # the hook: the tensor's CUDA device
+        (Facts("nccl", None, local=CPU, current_cuda=2), CUDA2),
+        (Facts("gloo", CUDA0), CPU),  # CUDA states over gloo move through the host
+        (Facts("gloo", CPU), CPU),
+        (Facts(TWO, CPU, local=CUDA0), CPU),  # the metric's device type picks the backend, not the local tensor
+        (Facts(TWO, CUDA2, current_cuda=0), CUDA2),  # an empty rank (no local tensor) picks what its peers pick
+        (Facts(TWO, CUDA2, local=CPU, current_cuda=0), CUDA2),  # compute_on_cpu list states on a CUDA metric
+        (Facts(TWO, None, local=CPU, cuda_available=True, current_cuda=1), CUDA1),  # the hook: the accelerator's
+        (Facts(TWO, None, local=CUDA0, cuda_available=False), CPU),
+        (Facts("cuda:nccl", CPU, current_cuda=1), CUDA1),  # init_process_group() on a GPU machine: NCCL only
+        (Facts("mpi", CPU), CPU),  # any other backend: the metric's device
+        (Facts("xccl", torch.device("xpu", 1)), torch.device("xpu", 1)),
+        (Facts("xccl", None, local=torch.device("xpu", 1)), torch.device("xpu", 1)),
     ],
 )
-def test_buffer_device(backend, like, expected):
-    assert buffer_device(backend, like, current_cuda=lambda: 3) == expected
+def test_buffer_device(facts, expected):
+    assert buffer_device(facts) == expected
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo", TWO, "cuda:nccl", "cpu:gloo", "mpi"])
+@pytest.mark.parametrize("metric", [CPU, CUDA1, None])
+@pytest.mark.parametrize("cuda_available", [True, False])
+def test_local_data_never_picks_the_backend(backend, metric, cuda_available):
+    # An empty rank (no local tensor), a rank with CPU states and one with CUDA states decide alike: the same backend
+    # (the same kind of buffer device, the same way of waiting), so they meet in one communicator.
+    decided = {
+        local: decide(Facts(backend, metric, local, current_cuda=0, cuda_available=cuda_available))
+        for local in (None, CPU, CUDA0)
+    }
+    if metric is None and ":" not in backend:
+        decided.pop(None)  # the hook on a one-backend group always has its tensor (it picks a device of the kind)
+    serving = {(_policy._serving(backend, p.device.type), p.wait, p.grad_wait) for p in decided.values()}
+    assert len(serving) == 1, decided
+
+
+@pytest.mark.parametrize(
+    ("facts", "grad_device", "grad_wait"),
+    [
+        # Under DDP on NCCL the backward all-reduce must run on the CUDA device's autograd thread, where DDP's hooks
+        # run: the differentiable outputs live on the buffer device, also for CPU states (issue 20, item 4).
+        (Facts("nccl", CPU, current_cuda=1), CUDA1, "stream"),
+        (Facts("nccl", CUDA0, current_cuda=0), CUDA0, "stream"),
+        (Facts(TWO, CUDA2, local=CPU, current_cuda=0), CUDA2, "stream"),
+        (Facts("gloo", CUDA1), CUDA1, "block"),  # buffers on the CPU, outputs where the metric is
+        (Facts("gloo", CPU), CPU, "block"),
+        (Facts(TWO, CPU), CPU, "block"),
+        (Facts("mpi", CPU), CPU, "poll"),
+    ],
+)
+def test_differentiable_outputs_and_backward_wait(facts, grad_device, grad_wait):
+    policy = decide(facts)
+    assert (policy.grad_device, policy.grad_wait) == (grad_device, grad_wait)
+
+
+class _Group:
+    """A made-up process group: what ``policy_for`` reads of one."""
+
+    def __init__(self, bound):
+        self.bound_device_id = bound
+
+
+def test_policy_for_reads_the_bound_device_of_the_group(monkeypatch):
+    monkeypatch.setattr(_policy, "backend_of", lambda group: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # no set_device: 0 on every local rank
+    assert _policy.policy_for(_Group(CUDA2), CPU).device == CUDA2
+    assert _policy.policy_for(_Group(CUDA1), CUDA0, CUDA0).device == CUDA1
+    assert _policy.policy_for(_Group(None), CPU).device == CUDA0
+    monkeypatch.setattr(_policy, "backend_of", lambda group: "gloo")
+    assert _policy.policy_for(_Group(CUDA2), CPU).device == CPU  # gloo has no use for it
+
+
+def test_a_group_without_a_backend_is_served_by_its_device_map():
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the distributed tests run in worker processes; this one needs a process of its own
+        pytest.skip("a process group is already initialised in the test process")
+    dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # no backend: "undefined", lazily made
+    try:
+        assert str(dist.get_backend()) == "undefined"
+        expected = "cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
+        assert _policy.backend_of(None) == expected
+        assert _policy.bound_device(None) is None
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -93,6 +175,17 @@ def test_failed_work_is_a_peer_failure_with_the_backend_error():
     with pytest.raises(PeerFailedError, match="Connection closed by peer") as info:
         wait_for(FakeWork(polls=0, error=backend_error), 5.0, clock=clock, sleep=clock.sleep)
     assert info.value.__cause__ is backend_error
+
+
+def test_stream_wait_neither_polls_nor_times_out():
+    # Inside backward on NCCL: one untimed wait(), which orders the current stream after the collective and returns;
+    # polling would block autograd's device thread (and DDP's overlap) on the CPU.
+    clock, work = FakeClock(), FakeWork(polls=None)  # never completes as far as is_completed() tells
+    assert wait_for(work, timeout=5.0, clock=clock, sleep=clock.sleep, mode="stream")
+    assert work.wait_calls == [((), {})] and work.checks == 0 and clock.now == 0.0
+    backend_error = RuntimeError("NCCL communicator was aborted")
+    with pytest.raises(PeerFailedError, match="aborted"):
+        wait_for(FakeWork(polls=None, error=backend_error), 5.0, mode="stream")
 
 
 class FakeBlockingWork:

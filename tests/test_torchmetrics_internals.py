@@ -204,6 +204,22 @@ def test_stock_sync_dist_gathers_an_empty_cat_list_as_an_empty_tensor():
     )
 
 
+def test_stock_sync_dist_sends_the_empty_placeholder_on_the_metric_device():
+    # Where the hook runs (docs "Where it runs"): the placeholder an empty rank sends is on the metric's device, as the
+    # data of its peers are when the metric was moved there. A device no tensor of this test is on stands for the GPU.
+    calls = []
+
+    def fake_gather(tensor, group=None):
+        calls.append(tensor)
+        return [tensor, tensor]
+
+    metric = AllKinds()
+    metric._device = torch.device("meta")  # what `.to(device)` records; the states themselves stay where they are
+    metric._sync_dist(fake_gather)
+    empty = [t for t in calls if t.numel() == 0]
+    assert [t.device for t in empty] == [torch.device("meta")], _fail("Metric._sync_dist's empty-list placeholder")
+
+
 def test_wrap_compute_is_the_hook_that_wraps_compute():
     # torchmetrics_varlen.Metric overrides _wrap_compute; the stock __init__ must route compute through it.
     wrapped = []
@@ -368,6 +384,28 @@ def test_torch_join_internals():
     # config Join sets (the `_join_config` attribute that `Join.notify_join_context` reads).
     assert "_join_config" in inspect.getsource(Join._set_joinable_configs), "torch changed Join._set_joinable_configs"
     assert "_join_config" in inspect.getsource(Join.notify_join_context), "torch changed Join.notify_join_context"
+    # A plain Join's metric finds the list of joinables (to refuse another joinable's hook before its own) on the
+    # Join being built: `_joinables` is set before the hooks are asked for, in list order.
+    init = inspect.getsource(Join.__init__)
+    assert init.index("self._joinables = joinables") < init.index("join_hook("), "torch changed Join.__init__"
+    # With a DDP model, the join's count of running ranks is started on DDP's forward by a forward pre-hook and
+    # handed to DDP's reducer as DDP's own notify would (DDP then is not the first joinable).
+    from torch.nn.parallel import DistributedDataParallel
+
+    pre_forward = inspect.getsource(DistributedDataParallel._pre_forward)
+    assert "_set_forward_pass_work_handle" in pre_forward and "_divide_by_initial_world_size" in pre_forward, (
+        "torch changed DistributedDataParallel._pre_forward"
+    )
+
+
+def test_process_group_bound_device_id():
+    # _policy.bound_device reads it: init_process_group(device_id=...) sets it, new_group inherits it.
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    assert "bound_device_id" in dir(dist.ProcessGroup), "torch removed ProcessGroup.bound_device_id"
+    source = inspect.getsource(c10d._new_group_with_tag)
+    assert "default_pg.bound_device_id" in source, "torch changed how new_group inherits the bound device"
 
 
 @pytest.mark.parametrize("name", ["_get_default_store"])

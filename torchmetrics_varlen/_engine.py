@@ -17,7 +17,7 @@ then at most one gather and one all-reduce per reduce bucket, all decided from t
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,8 +42,12 @@ class Synced:
     rank: int
 
 
-def first_device(entries: Sequence[LocalEntry]) -> torch.device:
-    """The device of the first tensor among ``entries`` (list items included), else the CPU."""
+def first_device(entries: Sequence[LocalEntry]) -> torch.device | None:
+    """The device of the first tensor among ``entries`` (list items included), else None.
+
+    Local data: it never picks a backend (see :mod:`torchmetrics_varlen._policy`), only a device of the kind the
+    facts equal on every rank picked, and where an entry's results go back to.
+    """
     for entry in entries:
         if isinstance(entry, Tensor):
             return entry.device
@@ -51,7 +55,7 @@ def first_device(entries: Sequence[LocalEntry]) -> torch.device:
             for item in entry:
                 if isinstance(item, Tensor):
                     return item.device
-    return torch.device("cpu")
+    return None
 
 
 def entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
@@ -78,6 +82,7 @@ def run(
     dst: int | None = None,
     grad: str = "if_graph",
     inline: bool = True,
+    device: torch.device | None = None,
 ) -> Synced | None:
     """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
 
@@ -97,12 +102,15 @@ def run(
         dst: gather to this rank only.
         grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_plan.make_plan``).
         inline: let small dense data ride in the record (one collective in all when every rank can).
+        device: the metric's device (``Metric.device``), equal on every rank: it picks the backend of a group with
+            several, and where an entry without tensors gets its results. None only where no metric is known (the
+            ``gather_all_tensors`` hook, whose one tensor is always there).
     """
     world = _transport.world_of(group)
     assert world is not None
     rank, _ = world
-    like = first_device(entries)
-    policy = _policy.policy_for(group, like)
+    local = first_device(entries)
+    policy = _policy.policy_for(group, device, local)
     what = f"sync of {label}"
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
     record = _protocol.describe(entries, context, label, flags, aux, inline)
@@ -117,8 +125,8 @@ def run(
     plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat)
     if plan.inline:  # the data came with the records: cut it out of the table
         return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
-    devices = [entry_device(entry, like) for entry in entries]
-    step = _Step(entries, plan, group, rank, policy.device, policy.wait, devices, cat, timeout, what, dst)
+    devices = [entry_device(entry, device or local or policy.device) for entry in entries]
+    step = _Step(entries, plan, group, rank, policy, devices, cat, timeout, what, dst)
     if plan.differentiable:
         return Synced(plan, _DifferentiableStep.run(step), rank)
     return Synced(plan, step.move(), rank)
@@ -132,9 +140,8 @@ class _Step:
     plan: Plan
     group: Any
     rank: int
-    device: torch.device
-    wait: str  # how the collectives are waited for (the policy's)
-    devices: list[torch.device]
+    policy: _policy.TransportPolicy  # where the buffers live, how the collectives are waited for
+    devices: list[torch.device]  # where each entry's results go back to
     cat: Sequence[bool] | None
     timeout: float | None
     what: str
@@ -142,18 +149,18 @@ class _Step:
 
     def move(self) -> list[Result | None]:
         """Pack, run the collectives, unpack (see the module docstring for the variants)."""
-        plan = self.plan
-        reduced = _buffers.pack_reduced(self.entries, plan, self.device)
+        plan, device, wait = self.plan, self.policy.device, self.policy.wait
+        reduced = _buffers.pack_reduced(self.entries, plan, device)
         if reduced:
             ops = [group.op for group in plan.reduce_groups]
-            _transport.all_reduce(list(zip(reduced, ops)), self.group, self.wait, self.timeout, self.what)
+            _transport.all_reduce(list(zip(reduced, ops)), self.group, wait, self.timeout, self.what)
         rows = None
         if plan.max_bytes > 0:
-            buffer = _buffers.pack(self.entries, plan, self.rank, self.device)
+            buffer = _buffers.pack(self.entries, plan, self.rank, device)
             if self.dst is None:
-                rows = _transport.gather_rows(buffer, self.group, self.wait, self.timeout, self.what)
+                rows = _transport.gather_rows(buffer, self.group, wait, self.timeout, self.what)
             else:
-                rows = _transport.gather_to_rank(buffer, self.dst, self.group, self.wait, self.timeout, self.what)
+                rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what)
         if self.dst is not None and self.rank != self.dst:
             return []
         results = _buffers.unpack(rows, plan, self.devices, self.cat)
@@ -209,9 +216,14 @@ class _DifferentiableStep(torch.autograd.Function):
         # batch): the backward all-reduce must run on every rank, decided from the plan, never from local data.
         anchor = torch.empty(0, requires_grad=True)
         holder: list[list[Result | None]] = []
-        outputs = _DifferentiableStep.apply(step, holder, anchor, *inputs)  # type: ignore[no-untyped-call]
+        # The node's outputs live on the policy's grad device (the accelerator's, also for CPU states), so autograd
+        # runs its backward all-reduce on that device's thread, where DDP's hooks issue theirs; each output is then
+        # copied to its entry's own device, a differentiable copy outside the node.
+        inner = replace(step, devices=[step.policy.grad_device or step.policy.device] * len(step.devices))
+        outputs = _DifferentiableStep.apply(inner, holder, anchor, *inputs)  # type: ignore[no-untyped-call]
         results = holder[0]
-        flat = list(outputs)
+        owners = [index for index, result in enumerate(results) for _ in _outputs(result)]
+        flat = [out.to(step.devices[index]) for out, index in zip(outputs, owners)]
         return [_rebuild(result, flat) for result in results]
 
     @staticmethod
@@ -243,19 +255,19 @@ class _DifferentiableStep(torch.autograd.Function):
                 dtype = torch.promote_types(dtype, entry_dtype)
         parts = [
             (
-                grad.reshape(-1).to(step.device, dtype)
+                grad.reshape(-1).to(step.policy.device, dtype)
                 if grad is not None
-                else torch.zeros(n, dtype=dtype, device=step.device)
+                else torch.zeros(n, dtype=dtype, device=step.policy.device)
             )
             for grad, (_, n, diff) in zip(grads, ctx.sections)
             if diff
         ]
-        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=step.device)
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=step.policy.device)
         if flat.numel() > 0:  # sizes come from the plan: every rank skips alike
             _transport.run_collective(
                 lambda: torch.distributed.all_reduce(flat, group=step.group, async_op=True),
                 step.group,
-                step.wait,
+                step.policy.grad_wait or step.policy.wait,  # "stream" on NCCL: no CPU polling on autograd's thread
                 step.timeout,
                 f"backward of the {step.what}",
             )

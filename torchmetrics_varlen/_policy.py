@@ -2,15 +2,33 @@
 
 Everything else in the package is backend-agnostic. The decisions, and why:
 
-* **Buffer device.** NCCL moves CUDA memory only, so an NCCL group's buffers live on a CUDA device (the device of the
-  first CUDA state, else the current device); gloo's on the CPU (gloo stages CUDA tensors through the host anyway);
-  any other backend's on the device of the first state. A group created with several backends
-  (``"cpu:gloo,cuda:nccl"``) takes the device that the states' device type maps to. States on other devices are
-  copied to the buffer device when packed and back to their own device when unpacked: one code path whatever the
-  devices, since ``Tensor.to`` is a no-op on the same device.
+* **Buffer device.** Decided from facts equal on every rank, never from the states a rank happens to hold (a rank
+  whose list states are all empty must not pick another backend than its peers):
+
+  - *which backend serves the sync* matters only on a group created with several backends
+    (``backend="cpu:gloo,cuda:nccl"``; ``init_process_group()`` without a backend reports "undefined" and is served by
+    its device map, see :func:`backend_of`). It is the entry for the metric's device type (torchmetrics'
+    ``Metric.device``, passed down by every caller); where no metric is known (the ``gather_all_tensors`` hook) it
+    is the accelerator's entry when CUDA is available, else the CPU's, whatever the tensor's device;
+  - *which device of that kind* is this rank's own choice (peers only have to agree on the kind): NCCL moves CUDA
+    memory only, so its buffers live on the group's bound device (``init_process_group(device_id=...)``, which
+    ``new_group`` inherits), else the metric's CUDA device, else this rank's first CUDA state, else the current
+    device; gloo's on the CPU (gloo stages CUDA tensors through the host anyway); any other backend's on the metric's
+    device (the first state's where no metric is known).
+
+  States on other devices are copied to the buffer device when packed and back to their own device when unpacked
+  (an entry with no tensor, to the metric's device): one code path whatever the devices, since ``Tensor.to`` is a
+  no-op on the same device.
+* **Differentiable outputs.** Autograd runs a node on the thread of the device its output gradients live on (the CPU
+  thread for CPU tensors, one thread per CUDA device). DDP's gradient hooks run on the CUDA device's thread, so the
+  backward all-reduce of a differentiable sync must be issued from that thread too, or two threads issue collectives
+  on one communicator in an order that can differ between ranks. So the outputs of the differentiable step live on
+  the buffer device when it is an accelerator, else on the metric's device (``grad_device``), and are copied to each
+  state's own device after the node: its backward runs on the accelerator's thread even for CPU states.
 * **Waiting.** Every collective is started asynchronously and waited for in one of two ways, both with the same
-  outcome (done, expired with the collective left pending, or failed), both run by the gloo tests. Both first check
-  ``work.is_completed()`` a few hundred times without sleeping (a small collective is done by then), then:
+  outcome (done, expired with the collective left pending, or failed), both run by the gloo tests (a third, inside
+  backward only, follows). Both first check ``work.is_completed()`` a few hundred times without sleeping (a small
+  collective is done by then), then:
 
   - ``"block"`` (gloo): ``work.wait(timeout)`` in slices. gloo's work is c10d's base ``Work``, whose timed ``wait``
     is a condition-variable wait that raises "Operation timed out!" and changes nothing (``c10d::Work::wait``), so a
@@ -19,6 +37,10 @@ Everything else in the package is backend-agnostic. The decisions, and why:
     call ``work.wait()`` *without* a timeout once it completed. A timed ``wait`` is not safe there: on NCCL it blocks
     and, on expiry, marks the work timed out and aborts the communicator (``ProcessGroupNCCL::WorkNCCL::wait``),
     which would tear down the job's group for a rank that is merely late.
+  - ``"stream"`` (NCCL, inside a backward pass only: ``grad_wait``): a plain ``work.wait()``, which on NCCL makes the
+    current stream wait for the collective and returns at once (``ProcessGroupNCCL::WorkNCCL::wait`` without a
+    timeout), so the autograd thread is not blocked in CPU polling and DDP's overlap is kept. There is no timeout of
+    ours there: a rank that never runs its backward is NCCL's watchdog's to report, at the group's timeout.
 
   Nothing here ever aborts a communicator. A sleep asks the OS for tens of microseconds and gets 100-200 on a busy
   machine, which is why gloo blocks instead of sleeping.
@@ -26,8 +48,8 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   the dense states the plan routes there. NCCL's list ``all_gather`` with unequal sizes is not used: it could not be
   run where this package is tested.
 
-Tests force a policy on gloo with :func:`forced`, and call :func:`buffer_device` and :func:`wait_for` directly with
-made-up backends and work objects.
+Tests force a policy on gloo with :func:`forced`, and call :func:`decide`, :func:`buffer_device` and :func:`wait_for`
+directly with made-up facts, backends and work objects.
 """
 
 import contextlib
@@ -65,28 +87,88 @@ class TransportPolicy:
         device: where the exchange buffers live.
         reduce: "auto" (the plan's cost model), "never" or "always" (every eligible state all-reduced).
         wait: how the collectives are waited for: "block" or "poll" (see :func:`wait_for`).
+        grad_device: where the outputs of a differentiable sync live (None: ``device``); see the module docstring.
+        grad_wait: how the backward all-reduce is waited for: "stream" on NCCL, else as ``wait``.
     """
 
     backend: str
     device: torch.device
     reduce: str = "auto"
     wait: str = "poll"
+    grad_device: torch.device | None = None
+    grad_wait: str | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a sync's policy is decided from: all equal on every rank, except which device of a kind is this rank's.
+
+    Args:
+        backend: the group's backend name, lower case (``"cpu:gloo,cuda:nccl"`` for several).
+        device: the metric's device (torchmetrics' ``Metric.device``); None where no metric is known (the hook).
+        local: the device of this rank's first local tensor, or None: only picks a device within the kind the
+            equal facts chose (a CUDA index, or another backend's device where no metric is known).
+        bound: the group's bound device (``init_process_group(device_id=...)``), or None.
+        current_cuda: the current CUDA device index, or -1 where no CUDA device is needed.
+        cuda_available: ``torch.cuda.is_available()``: picks the backend of a several-backend group for the hook.
+        reduce: the raw ``TORCHMETRICS_VARLEN_REDUCE`` value.
+    """
+
+    backend: str
+    device: torch.device | None
+    local: torch.device | None = None
+    bound: torch.device | None = None
+    current_cuda: int = -1
+    cuda_available: bool = False
+    reduce: str = ""
 
 
 _FORCED = threading.local()
+_CPU = torch.device("cpu")
 
 
 def backend_of(group: Any) -> str:
-    """The backend name of ``group`` (the default group when None), lower case."""
-    return str(dist.get_backend(group)).lower()
+    """The backend name of ``group`` (the default group when None), lower case.
+
+    A group made by ``init_process_group()`` without a backend reports "undefined": its device-to-backend map
+    (``"cuda:nccl"`` where torch sees an accelerator, ``"cpu:gloo"`` elsewhere) is what serves it.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "undefined":
+        backend = str(dist.get_backend_config(group)).lower().replace(" ", "")
+    return backend
+
+
+def bound_device(group: Any) -> torch.device | None:
+    """The device ``group`` (the default group when None) is bound to by ``init_process_group(device_id=...)``."""
+    pg = group if group is not None else dist.group.WORLD
+    bound = getattr(pg, "bound_device_id", None)  # new_group and split_group inherit the default group's
+    return bound if isinstance(bound, torch.device) else None
+
+
+def _backends(backend: str) -> dict[str, str]:
+    return dict(part.split(":", 1) for part in backend.split(","))  # "cpu:gloo,cuda:nccl"
 
 
 def _serving(backend: str, device_type: str) -> str:
     """The backend that serves tensors of ``device_type``: ``backend`` itself, or its entry for that device type."""
     if ":" not in backend:
         return backend
-    mapping = dict(part.split(":", 1) for part in backend.split(","))  # "cpu:gloo,cuda:nccl"
+    mapping = _backends(backend)
     return mapping.get(device_type) or next(iter(mapping.values()))
+
+
+def serving_type(facts: Facts) -> str:
+    """The device type whose backend serves the sync: decided from facts equal on every rank (module docstring)."""
+    return _serving_type(facts.backend, facts.device, facts.local, facts.cuda_available)
+
+
+def _serving_type(backend: str, device: torch.device | None, local: torch.device | None, cuda: bool) -> str:
+    if device is not None:
+        return device.type
+    if ":" in backend:  # the hook on a several-backend group: the accelerator's entry where there is one
+        return "cuda" if cuda and "cuda" in _backends(backend) else "cpu"
+    return local.type if local is not None else "cpu"
 
 
 def wait_mode(backend: str, device_type: str) -> str:
@@ -94,15 +176,29 @@ def wait_mode(backend: str, device_type: str) -> str:
     return "block" if _serving(backend, device_type) == "gloo" else "poll"
 
 
-def buffer_device(backend: str, like: torch.device, current_cuda: Callable[[], int]) -> torch.device:
-    """Where the buffers of a sync over ``backend`` live, for states whose first device is ``like``."""
-    if ":" in backend:  # "cpu:gloo,cuda:nccl": one backend per device type
-        return buffer_device(_serving(backend, like.type), like, current_cuda)
+def buffer_device(facts: Facts) -> torch.device:
+    """Where the buffers of a sync live (see the module docstring for the order of preference)."""
+    backend = _serving(facts.backend, serving_type(facts))
     if backend == "nccl":
-        return like if like.type == "cuda" else torch.device("cuda", current_cuda())
+        for candidate in (facts.bound, facts.device, facts.local):
+            if candidate is not None and candidate.type == "cuda":
+                index = candidate.index if candidate.index is not None else facts.current_cuda
+                return torch.device("cuda", max(index, 0))
+        return torch.device("cuda", max(facts.current_cuda, 0))
     if backend == "gloo":
-        return torch.device("cpu")
-    return like
+        return _CPU
+    return facts.device or facts.local or _CPU
+
+
+def decide(facts: Facts) -> TransportPolicy:
+    """The policy of a sync with these facts: a pure function, so tests give it made-up backends and devices."""
+    device = buffer_device(facts)
+    grad_device = device if device.type != "cpu" else (facts.device or facts.local or _CPU)
+    nccl = _serving(facts.backend, device.type) == "nccl"
+    wait = wait_mode(facts.backend, device.type)
+    return TransportPolicy(
+        facts.backend, device, reduce_mode(facts.reduce), wait, grad_device, "stream" if nccl else wait
+    )
 
 
 def reduce_mode(raw: str | None = None) -> str:
@@ -114,28 +210,35 @@ def reduce_mode(raw: str | None = None) -> str:
     return raw
 
 
-def policy_for(group: Any, like: torch.device) -> TransportPolicy:
-    """The policy of a sync over ``group`` of states whose first device is ``like``."""
+def policy_for(group: Any, device: torch.device | None, local: torch.device | None = None) -> TransportPolicy:
+    """The policy of a sync over ``group`` for a metric on ``device`` (None: no metric, the hook).
+
+    ``local`` is this rank's first local tensor's device: it never picks the backend, only a device of the kind the
+    equal facts picked (see :class:`Facts`).
+    """
     forced: TransportPolicy | None = getattr(_FORCED, "policy", None)
     if forced is not None:
         return forced
     backend = backend_of(group)
-    needs_current = like.type != "cuda" and _serving(backend, like.type) == "nccl"
-    current = torch.cuda.current_device() if needs_current else -1
-    return _policy(backend, like, os.environ.get(REDUCE_ENV, ""), current)
+    cuda_available = ":" in backend and device is None and torch.cuda.is_available()
+    reduce = os.environ.get(REDUCE_ENV, "")
+    bound, current = None, -1
+    if _serving(backend, _serving_type(backend, device, local, cuda_available)) == "nccl":
+        bound, current = bound_device(group), torch.cuda.current_device()
+    return _decide(backend, device, local, bound, current, cuda_available, reduce)
 
 
 @functools.lru_cache(maxsize=64)
-def _policy(backend: str, like: torch.device, raw_reduce: str, current_cuda: int) -> TransportPolicy:
-    # Every sync asks for its policy: the answer depends on these values only, so it is built once per combination.
-    device = buffer_device(backend, like, lambda: current_cuda)
-    return TransportPolicy(backend, device, reduce_mode(raw_reduce), wait_mode(backend, device.type))
+def _decide(*facts: Any) -> TransportPolicy:
+    # Every sync asks for its policy: the answer depends on the facts only, so it is built once per combination
+    # (keyed by the plain values: cheaper to hash than a Facts).
+    return decide(Facts(*facts))
 
 
 @contextlib.contextmanager
 def forced(**fields: Any) -> Generator[TransportPolicy, None, None]:
     """Use a policy with ``fields`` replaced (in this thread) for the syncs inside the block: tests."""
-    base = TransportPolicy("gloo", torch.device("cpu"), "auto", "block")
+    base = TransportPolicy("gloo", torch.device("cpu"), "auto", "block", None, None)
     policy = replace(base, **fields)
     previous = getattr(_FORCED, "policy", None)
     _FORCED.policy = policy
@@ -160,10 +263,14 @@ def wait_for(
 ) -> bool:
     """Wait for ``work``; False when ``timeout`` seconds passed first (the work stays pending).
 
-    ``mode`` is "block" (a timed ``work.wait``, only where it has no side effects: gloo) or "poll" (``is_completed``
-    checks, then an untimed ``work.wait``). ``on_slow`` runs once after ``slow_after`` seconds of waiting. A work that
-    completed with an error raises :class:`PeerFailedError` from the backend's error.
+    ``mode`` is "block" (a timed ``work.wait``, only where it has no side effects: gloo), "poll" (``is_completed``
+    checks, then an untimed ``work.wait``) or "stream" (an untimed ``work.wait`` at once: NCCL inside backward).
+    ``on_slow`` runs once after ``slow_after`` seconds of waiting. A work that completed with an error raises
+    :class:`PeerFailedError` from the backend's error.
     """
+    if mode == "stream":  # stream-ordered on NCCL: neither polls nor blocks the calling (autograd) thread
+        _wait_completed(work)
+        return True
     for _ in range(SPIN_CHECKS):
         if work.is_completed():
             _wait_completed(work)  # on NCCL it orders the current stream after the collective

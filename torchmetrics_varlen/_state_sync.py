@@ -63,6 +63,16 @@ class Layout:
     cat: list[bool]
     aux: list[int]  # the owning metric's update count, for `mean` states (see `_warn_mean_of_means`)
     graph: bool  # a local tensor state carries an autograd graph
+    device: torch.device  # the metrics' device (`metrics_device`): equal on every rank, never the states' own
+
+
+def metrics_device(metrics: Sequence[StockMetric]) -> torch.device:
+    """The device a sync of ``metrics`` is decided for: the first one not on the CPU (``Metric.device``), else the CPU.
+
+    Equal on every rank whatever the states hold (an empty list state has no device): it picks the backend of a group
+    with several (see :mod:`torchmetrics_varlen._policy`).
+    """
+    return next((m.device for m in metrics if m.device.type != "cpu"), torch.device("cpu"))
 
 
 def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
@@ -86,6 +96,7 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
         cat=[fn is dim_zero_cat for fn in reductions],
         aux=aux,
         graph=any(_carries_graph(value) for value in states),
+        device=metrics_device(metrics),
     )
 
 
@@ -131,8 +142,13 @@ def run_layout(
     dst: int | None = None,
     phase: str = "compute",
     stop: Any = None,
+    device: torch.device | None = None,
 ) -> "_engine.Synced | None":
-    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``)."""
+    """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
+
+    ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
+    results go to: the Join shadow, which must never touch CUDA, passes the CPU.
+    """
     return _engine.run(
         layout.entries,
         group,
@@ -146,6 +162,7 @@ def run_layout(
         stop=stop,
         dst=dst,
         grad="always" if phase == "step" else "if_graph",
+        device=device or layout.device,
     )
 
 

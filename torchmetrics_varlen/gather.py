@@ -29,6 +29,10 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     * Ranks whose non-empty tensors differ in dtype or number of dimensions raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together, with each rank's shape and dtype in the message.
       A 0-d tensor is accepted beside 1-d ones (a one-element ``cat`` list arrives 0-d).
+    * Where it runs: the group's backend for ``result``'s device; on a group with several backends
+      (``"cpu:gloo,cuda:nccl"``) the CUDA one wherever CUDA is available, whatever the device of ``result`` (a rank
+      with an empty placeholder must meet its peers in the same communicator). Every element of the result is on
+      ``result``'s device.
     * Element ``rank`` of the result is ``result`` itself, so its autograd graph (rank-local) is kept; the other
       elements carry no graph. With ``sync_grads=True`` every element is differentiable and the backward pass sends
       each rank the gradient of its own samples, summed over all ranks (see the "Metrics as losses" docs page).
@@ -74,6 +78,10 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
         flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
         grad="always",
+        # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is
+        # the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked, and
+        # torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
+        device=None,
     )
     assert synced is not None  # no `stop` given
     gathered = synced.results[0]

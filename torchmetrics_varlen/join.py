@@ -1,23 +1,25 @@
-"""Join support: ranks that ran out of data shadow a metric's per-step syncs until every rank is done.
+"""Join support: ranks that ran out of data shadow the metrics' per-step syncs until every rank is done.
 
 Use :func:`join`: ``with torchmetrics_varlen.join(ddp_model, metric):`` builds a
-:class:`torch.distributed.algorithms.join.Join` in which a rank that ran out of batches takes part in the metric's
+:class:`torch.distributed.algorithms.join.Join` in which a rank that ran out of batches takes part in the metrics'
 per-step syncs as a rank with an empty batch (every state at its default), so the other ranks' per-step values and
-the epoch ``compute()`` are exact.
+the epoch ``compute()`` are exact. A plain ``Join([metric, ddp_model])`` (metrics first) works the same way.
 
 Why a side process group and a thread: when the metric is a DDP loss, a running rank issues, per iteration, DDP's
 forward collectives, then the metric's step sync, then DDP's backward all-reduces. DDP's own join hook shadows its
 forward and backward collectives in one call, so a joined rank cannot put the metric's sync between them on the same
-process group. The metric's per-step syncs inside ``join`` therefore travel on a gloo process group of their own
-(made once per metric, when its first ``join`` is built), and the joined rank shadows them from a worker thread,
-while its main thread runs DDP's hook. The side group is gloo whatever the job's backend: NCCL must not be driven
-from two threads at once, and gloo waits the same way on every platform.
+process group. Once some rank has joined, the per-step syncs therefore travel on a gloo process group of their own
+(one per process group, made once: see :mod:`torchmetrics_varlen._join_shadow`), and the joined rank shadows them
+from a worker thread, while its main thread runs DDP's hook. Until then they stay on the metric's own group: every
+rank switches at the same sync, decided from Join's count of the running ranks (see :class:`_Session`). The side
+group is gloo whatever the job's backend: NCCL must not be driven from two threads at once, and the worker never
+touches CUDA (it sends CPU copies of the defaults, made on the main thread).
 
-Order, decided here rather than by the caller: the model (DDP) is the first joinable, because it counts the running
-ranks at the start of each iteration, before its forward collectives; the metrics' hooks run before the model's hook
-(they only start the worker, which must run before DDP's hook blocks), and after it on the way out (DDP's final model
-broadcast must run on every rank even when a metric has an error to report). Errors of the worker are raised when
-``join`` exits, after ``Join`` finished.
+Order: a joinable's hook that runs before the metrics' hook (DDP's) blocks until the running ranks reach their
+backward pass, after their per-step sync, which the metrics' hook has not started shadowing yet. So the metrics'
+hook runs first; :func:`join` arranges it, and a plain ``Join`` listing another joinable before a metric raises
+``ValueError``. On the way out DDP's hook runs first in :func:`join` (its final model broadcast must run on every
+rank even when a metric has an error to report); errors of the worker are raised when ``join`` exits.
 
 Failures: a worker that fails sends a "failed" record instead of its empty batch, so the running ranks raise
 :class:`~torchmetrics_varlen.SyncMismatchError` at their next per-step sync (the message names the failing rank)
@@ -25,188 +27,201 @@ instead of waiting out ``sync_timeout``; every shadow exchange and the final "te
 metric's ``sync_timeout``.
 """
 
-import threading
-import weakref
+import inspect
+import warnings
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel
 
-from torchmetrics_varlen import _engine, _policy, _protocol
-from torchmetrics_varlen._state_sync import run_layout, sync_layout
-
-if TYPE_CHECKING:
-    from torchmetrics_varlen.metric import Metric
+from torchmetrics_varlen import _join_shadow, _policy
+from torchmetrics_varlen._join_shadow import JoinShadowError
+from torchmetrics_varlen._state_sync import StateDict
 
 __all__ = ["MetricJoinHook", "join"]
 
-
-_TERMINATE = _protocol.context_hash("torchmetrics_varlen.join.terminate")
-_FAILED = _protocol.context_hash("torchmetrics_varlen.join.failed")
 _SETTLE_SECONDS = 2.0
 
 
-class JoinShadowError(RuntimeError):
-    """The worker that shadows a metric's per-step syncs failed on some rank (raised by :func:`join` on exit)."""
+class _Session:
+    """The metrics of one ``Join`` on this rank: where their per-step syncs go, and the shadow of a joined rank.
+
+    The per-step syncs travel on the metrics' own process group until some rank has joined, then on the side group.
+    Every rank switches at the same sync because it decides from Join's own count of the running ranks, an
+    all-reduce whose result is equal on every rank: started at the start of each iteration by the first joinable
+    (on DDP's forward, where ``ddp`` is given; at each per-step sync, for metrics alone), and read before the sync.
+    A rank that joined is blocked in the matching all-reduce of ``Join``, so the count drops below the group size at
+    the first iteration it misses, before any sync it could not take part in. With ``counted`` False (a model that
+    is not DDP counts the ranks itself, out of reach) the syncs use the side group from the first one.
+
+    Args:
+        metrics: the metrics, in the same order on every rank.
+        notifier: the joinable whose ``_join_config`` makes it the first one (it notifies ``Join``).
+        ddp: the DDP model whose forward starts the count, or None.
+        counted: whether the count can be read (False: side group from the first sync).
+        owned: made by :func:`join`, which raises the shadow's errors on exit (else the post hook reports them).
+        followed: another joinable's hook runs after this session's post hook (a plain ``Join``): errors are then
+            warned, since a raise would skip that hook.
+    """
+
+    def __init__(
+        self, metrics: Sequence[Any], notifier: Any, ddp: Any, counted: bool, owned: bool, followed: bool = False
+    ) -> None:
+        for metric in metrics:
+            if metric.sync_grads:
+                raise RuntimeError(
+                    "Expected `sync_grads=False` for a metric inside `Join` but got True: a rank that ran out of"
+                    " data cannot shadow the backward pass of a differentiable gather. Use the default rank-local"
+                    " gradient (DDP then gives 1/world_size of the single-process gradient; scale the loss by the"
+                    " world size)."
+                )
+        self.metrics = [metric for i, metric in enumerate(metrics) if not any(metric is m for m in metrics[:i])]
+        self.notifier = notifier
+        self.ddp = ddp
+        self.counted = counted
+        self.owned = owned
+        self.followed = followed  # a hook of another joinable runs after this session's post hook
+        group = self.metrics[0].join_process_group
+        self.world_size = dist.get_world_size(group)
+        # A collective on the world the first time (every rank builds its Join at the same point); cached after.
+        self.side = _join_shadow.side_group(self.metrics[0].process_group)
+        self.joined = not counted
+        self._pending: Any = None
+        timeout = self.metrics[0].sync_timeout
+        what = ", ".join(f"`{type(metric).__name__}`" for metric in self.metrics)
+        self.shadow = _join_shadow.Shadow(self.metrics, self.side, timeout, what)
+        self.contexts = self.shadow.contexts
+        self.errors: list[BaseException] = []
+        self.owner: Join | None = None  # the plain Join that made it
+        self._handle = ddp.register_forward_pre_hook(self._on_forward) if ddp is not None else None
+        for metric in self.metrics:
+            metric._join_session = self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ``Join`` is enabled (``Join(enable=False)`` shadows nothing)."""
+        return bool(self.notifier._join_config.enable)
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        # Runs instead of DDP's own notify (DDP is not the first joinable here), at the same point of its forward,
+        # and hands DDP the work as its own notify would (it reads the count when `divide_by_initial_world_size`
+        # is False).
+        work = Join.notify_join_context(self.notifier)
+        if work is not None:
+            module.reducer._set_forward_pass_work_handle(work, module._divide_by_initial_world_size)
+            self._pending = work
+
+    def step_group(self) -> Any:
+        """The side group when some rank has joined, else None (the metric's own group); counts first if needed."""
+        if self.ddp is None and self.counted:
+            work = Join.notify_join_context(self.notifier)
+            if work is not None:
+                self._pending = work
+        work, self._pending = self._pending, None
+        if work is not None and not self.joined:
+            work.wait()
+            running = work.get_future().value()[0]
+            self.joined = int(running.item()) < self.world_size
+        return self.side if self.joined else None
+
+    def all_errors(self) -> list[BaseException]:
+        """The shadow's errors, then the post hook's."""
+        return [*self.shadow.errors, *self.errors]
+
+    def detach(self) -> None:
+        """End the session: the metrics' per-step syncs go back to their own group, outside any Join."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        for metric in self.metrics:
+            if metric._join_session is self:
+                metric._join_session = None
+            metric._join_config = metric._join_config._replace(enable=False)
 
 
 class MetricJoinHook(JoinHook):
-    """Shadows ``metric``'s per-step syncs on a rank that ran out of data, until every rank has joined.
+    """Shadows the per-step syncs of a join's metrics on a rank that ran out of data, until every rank has joined.
 
-    A worker thread takes part in every per-step sync the running ranks make on the metric's join group, as a rank
-    with an empty batch: it does not count iterations, so it works whatever the other joinables (DDP) do between
-    the syncs and however many syncs an iteration makes. When every rank has joined, the ranks that joined last send
-    one "terminate" record on the join group; the workers, waiting in their next shadow, see it and stop.
+    A worker thread takes part in every per-step sync the running ranks make on the side group, as a rank with an
+    empty batch: it does not count iterations, so it works whatever the other joinables (DDP) do between the syncs
+    and however many syncs an iteration makes. When every rank has joined, the ranks that joined last send one
+    "terminate" record on the side group; the workers, waiting in their next shadow, see it and stop.
 
-    Its hooks never raise: errors are collected in :attr:`errors` and raised by :func:`join` once ``Join`` is done.
+    Its hooks never raise inside :func:`join`, which raises the errors once ``Join`` is done. In a plain ``Join``,
+    the post hook raises them when it is the last hook, else warns (a raise would skip the next hooks).
 
     Args:
-        metric: the metric whose per-step syncs are shadowed.
+        session: the metrics of the join on this rank.
     """
 
-    def __init__(self, metric: "Metric") -> None:
-        self.metric = metric
-        self.errors: list[BaseException] = []
-        self._thread: threading.Thread | None = None
+    def __init__(self, session: _Session) -> None:
+        self.session = session
 
     def main_hook(self) -> None:
         """Start the shadowing worker on the first call; it runs until the terminate record."""
-        if self._thread is None:
-            rank = dist.get_rank(self.metric._join_group)
-            name = "torchmetrics-varlen-join"
-            self._thread = threading.Thread(target=self._work, args=(rank,), name=name, daemon=True)
-            self._thread.start()
+        if not self.session.shadow.started:
+            self.session.shadow.start()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Stop the workers: the ranks that never shadowed (the last joiners) send the terminate record."""
+        session = self.session
         try:
-            if self._thread is None:
-                _exchange_terminate(self.metric)
+            if session.shadow.started:
+                session.shadow.join()
             else:
-                self._thread.join()
-                self._thread = None
-        except Exception as err:  # raised by `join` after Join finished: a raise here would skip later hooks
-            self.errors.append(err)
-
-    def settle(self, seconds: float) -> None:
-        """Give a worker that is finishing (it saw a peer's failure) up to ``seconds`` to record its error."""
-        if self._thread is not None:
-            self._thread.join(timeout=seconds)
-
-    def _work(self, rank: int) -> None:
-        at_boundary = True  # no exchange of ours is half done on the join group: a whole record can still be sent
-        try:
-            set_thread_device(self.metric.device)
-            while True:
-                values = _empty_states(self.metric)
-                at_boundary = False
-                if not _shadow_once(self.metric, values):
-                    return
-                at_boundary = True
-        except BaseException as err:
-            if isinstance(err, JoinShadowError):  # a peer's worker failed: its rank is named already
-                self.errors.append(err)
-                return
-            wrapped = JoinShadowError(
-                f"The Join worker that shadows the per-step syncs of `{type(self.metric).__name__}` failed on rank"
-                f" {rank} of its join group: {type(err).__name__}: {err}"
-            )
-            wrapped.__cause__ = err
-            self.errors.append(wrapped)
-            if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
-                _send_failure(self.metric, rank)
+                _join_shadow.exchange_terminate(session.side, session.shadow.timeout, session.shadow.what)
+        except Exception as err:  # a raise here would skip the later hooks (DDP's final model broadcast)
+            session.errors.append(err)
+        if session.owned:
+            return
+        session.detach()
+        errors = session.all_errors()
+        if errors and not session.followed:
+            raise errors[0]
+        for problem in errors:
+            warnings.warn(f"{type(problem).__name__}: {problem}", RuntimeWarning, stacklevel=2)
 
 
-def set_thread_device(device: torch.device) -> None:
-    """Make ``device`` the current CUDA device of the calling thread when it is a CUDA device; else do nothing.
-
-    The current CUDA device is per thread and a new thread starts on device 0: without this, the shadow of every
-    joined rank of a node would allocate on cuda:0.
-    """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+class _Silent(JoinHook):
+    """The hook of a plain ``Join``'s metrics after the first: the first one's hook shadows them all."""
 
 
-def _empty_states(metric: "Metric") -> dict[str, Any]:
-    """The states of a rank with an empty batch: every state at its default (a fresh list for list states)."""
-    return {name: [] if isinstance(value, list) else value for name, value in metric._defaults.items()}
+def _calling_join() -> Join | None:
+    """The ``Join`` whose constructor asks for our hook (it holds the list of joinables), if that is the caller."""
+    frame = inspect.currentframe()
+    for _ in range(6):  # join_hook <- (list comprehension) <- Join.__init__
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Join) and hasattr(candidate, "_joinables"):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
-def _failure_rows(table: list[list[int]]) -> list[int]:
-    return [rank for rank, row in enumerate(table) if row[_protocol.H_CONTEXT] == _FAILED]
-
-
-def _exchange(metric: "Metric", values: dict[str, Any] | None, context: int, label: str, stop: Any) -> bool:
-    """One sync on the metric's join group: its per-step layout with ``values``, or an empty record.
-
-    False when ``stop`` (which sees the table as nested lists) ended it after the metadata exchange.
-    """
-
-    def stop_on(table: Any) -> bool:
-        return bool(stop(table.tolist()))
-
-    if values is None:
-        synced = _engine.run(
-            [], metric._join_group, context=context, label=label, timeout=metric.sync_timeout, stop=stop_on
+def _check_order(joinables: Sequence[Any]) -> None:
+    """Refuse another joinable's hook before a metric's: it would block before the metric's shadow starts."""
+    positions = [index for index, joinable in enumerate(joinables) if isinstance(joinable, JoinableMetric)]
+    before = [index for index, joinable in enumerate(joinables[: positions[-1]]) if index not in positions]
+    if before:
+        other, metric = joinables[before[0]], joinables[positions[-1]]
+        raise ValueError(
+            f"Expected the metrics before any other joinable in `Join` but got `{type(other).__name__}` (position"
+            f" {before[0]}) before `{type(metric).__name__}` (position {positions[-1]}). Join runs the hooks in list"
+            f" order, so `{type(other).__name__}`'s hook would block before the metric's hook starts shadowing its"
+            " per-step syncs (the job hangs). List the metrics first, `Join([metric, ddp_model], **kwargs)`, or use"
+            " `torchmetrics_varlen.join(ddp_model, metric, **kwargs)`."
         )
-        return synced is not None
-    layout = sync_layout([metric], "step", [values])
-    synced = run_layout(
-        layout, metric._join_group, label=label, timeout=metric.sync_timeout, phase="step", stop=stop_on
-    )
-    return synced is not None
-
-
-def _shadow_once(metric: "Metric", values: dict[str, Any]) -> bool:
-    """One per-step sync as a rank with an empty batch; False when the terminate record arrived instead."""
-    seen: list[list[int]] = []
-
-    def stop(table: list[list[int]]) -> bool:
-        seen[:] = table
-        return any(row[_protocol.H_CONTEXT] in (_TERMINATE, _FAILED) for row in table)
-
-    went_on = _exchange(metric, values, 0, f"{type(metric).__name__}.step", stop)
-    failed = _failure_rows(seen)
-    if failed:
-        raise JoinShadowError(_failure_message(metric, failed))
-    return went_on
-
-
-def _failure_message(metric: "Metric", ranks: Sequence[int]) -> str:
-    return (
-        f"The Join worker that shadows the per-step syncs of `{type(metric).__name__}` failed on rank"
-        f" {', '.join(map(str, ranks))} of its join group; see that rank's error. The job cannot go on: end it."
-    )
-
-
-def _send_failure(metric: "Metric", rank: int) -> None:
-    """Send a record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch."""
-    try:
-        _exchange(metric, None, _FAILED, f"Join failed on rank {rank}", lambda table: True)
-    except Exception:  # the original error is what gets reported
-        pass
-
-
-def _exchange_terminate(metric: "Metric") -> None:
-    seen: list[list[int]] = []
-
-    def stop(table: list[list[int]]) -> bool:
-        seen[:] = table
-        return True
-
-    _exchange(metric, None, _TERMINATE, "Join.terminate", stop)
-    failed = _failure_rows(seen)
-    if failed:
-        raise JoinShadowError(_failure_message(metric, failed))
 
 
 class JoinableMetric(Joinable):
     """The :class:`~torch.distributed.algorithms.join.Joinable` side of :class:`~torchmetrics_varlen.Metric`."""
 
-    _join_active: bool
+    _join_session: _Session | None
     process_group: Any
     sync_grads: bool
     sync_timeout: float | None
@@ -220,57 +235,60 @@ class JoinableMetric(Joinable):
         # Joinable.__init__ is not reached through torchmetrics' constructor chain; this is what it would set.
         from torch.distributed.algorithms.join import _JoinConfig
 
-        self._join_hook: MetricJoinHook | None = None
-        self._join_group = None
-        self._join_active = False
+        self._join_session = None
         self._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[no-untyped-call]
 
     def _join_state_for_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
-        # A process group and a thread cannot be copied: a copy starts outside any Join, with a group made anew.
+        # A session holds a thread and a process group, which cannot be copied: a copy starts outside any Join.
         state = dict(state)
-        state.update(_join_group_ref=None, _join_hook=None, _join_active=False)
+        state["_join_session"] = None
         if "_join_config" in state:
             state["_join_config"] = state["_join_config"]._replace(enable=False)
         return state
 
     @property
     def _join_group(self) -> Any:
-        """The side process group of this metric's per-step syncs inside ``join``; None before the first one."""
-        ref = self.__dict__.get("_join_group_ref")
-        return ref() if ref is not None else None
-
-    @_join_group.setter
-    def _join_group(self, group: Any) -> None:
-        # Held weakly: torch.distributed holds its groups until destroy_process_group(). Metrics sit in reference
-        # cycles (torchmetrics wraps update/compute), so one may live on until the garbage collector runs at
-        # interpreter exit; a gloo group destroyed that late can abort the process ("terminate called without an
-        # active exception"). After destroy_process_group() the group is gone, and a later join makes a new one.
-        self.__dict__["_join_group_ref"] = weakref.ref(group) if group is not None else None
+        """The side group of this metric's process group, once a Join made it; else None."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return _join_shadow.cached_side_group(self.process_group)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """Refuse a plain ``Join``: use :func:`torchmetrics_varlen.join`, which orders the hooks safely."""
-        raise ValueError(
-            f"Expected `{type(self).__name__}` inside `torchmetrics_varlen.join(ddp_model, metric, ...)` but got it"
-            " in a plain `torch.distributed.algorithms.join.Join`. A plain Join runs the hooks in list order, so"
-            " DDP's hook would block before the metric's hook starts shadowing its per-step syncs (the job hangs)."
-            " Replace `Join([ddp_model, metric], **kwargs)` by `torchmetrics_varlen.join(ddp_model, metric, **kwargs)`."
-        )
+        """The hook of a plain ``Join``: the metrics listed first, then at most a model (DDP).
 
-    def _make_join_hook(self) -> MetricJoinHook:
-        """This metric's hook for :func:`join`; makes the side group on first use (a collective on the world)."""
-        if self.sync_grads:
-            raise RuntimeError(
-                "Expected `sync_grads=False` for a metric inside `Join` but got True: a rank that ran out of data"
-                " cannot shadow the backward pass of a differentiable gather. Use the default rank-local gradient"
-                " (DDP then gives 1/world_size of the single-process gradient; scale the loss by the world size)."
-            )
-        if self._join_group is None:
-            # A collective on the whole world: every rank builds its join at the same point, so all get here. gloo
-            # whatever the job's backend: the worker thread must not drive a second NCCL communicator.
-            ranks = None if self.process_group is None else dist.get_process_group_ranks(self.process_group)
-            self._join_group = dist.new_group(ranks=ranks, backend="gloo")
-        self._join_hook = MetricJoinHook(self)  # type: ignore[arg-type]
-        return self._join_hook
+        The first metric's hook shadows every metric of the list; the first metric counts the running ranks, on
+        DDP's forward when a DDP model follows, else at each per-step sync. A joinable listed before a metric is
+        refused with ``ValueError``: its hook would block before the metric's hook runs.
+        """
+        owner = _calling_join()
+        joinables: list[Any] = list(owner._joinables) if owner is not None else [self]
+        _check_order(joinables)
+        session = self._join_session
+        if session is not None and owner is not None and session.owner is owner:
+            return _Silent()
+        metrics = [joinable for joinable in joinables if isinstance(joinable, JoinableMetric)]
+        ddp = next((j for j in joinables if isinstance(j, DistributedDataParallel)), None)
+        session = _Session(metrics, metrics[0], ddp, counted=True, owned=False, followed=len(joinables) > len(metrics))
+        session.owner = owner
+        return MetricJoinHook(session)
+
+    def _join_step_sync(self, label: str) -> StateDict | None:
+        """A per-step sync inside Join once some rank has joined (on the side group); else None."""
+        session = self._join_session
+        if session is None or not session.enabled:
+            return None
+        side = session.step_group()
+        if side is None:
+            return None
+        position = next(index for index, metric in enumerate(session.metrics) if metric is self)  # not `==`
+        return _join_shadow.step_sync(
+            self,  # type: ignore[arg-type]
+            position,
+            side,
+            session.contexts,
+            label,
+            self.sync_timeout,
+        )
 
     @property
     def join_device(self) -> torch.device:
@@ -284,24 +302,16 @@ class JoinableMetric(Joinable):
         """Process group ``Join`` counts the ranks on: the metric's own (the world by default)."""
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
-    def _step_sync_group(self, group: Any) -> Any:
-        """Inside ``join`` the per-step syncs move to the join group, and tell Join that this rank still runs."""
-        if not self._join_active:
-            return group
-        Join.notify_join_context(self)
-        return self._join_group
-
 
 class _OrderedHook(JoinHook):
-    """The hooks of a :func:`join`: the metrics' main hooks first, the model's post hook first; none raises first."""
+    """The hooks of a :func:`join`: the metrics' main hook first, the model's post hook first; none raises first."""
 
-    def __init__(self, model_hook: JoinHook | None, metric_hooks: list[MetricJoinHook]) -> None:
+    def __init__(self, model_hook: JoinHook | None, metric_hook: MetricJoinHook) -> None:
         self.model_hook = model_hook
-        self.metric_hooks = metric_hooks
+        self.metric_hook = metric_hook
 
     def main_hook(self) -> None:
-        for hook in self.metric_hooks:  # they only start a thread: the shadow must run before DDP's hook blocks
-            hook.main_hook()
+        self.metric_hook.main_hook()  # it only starts a thread: the shadow must run before DDP's hook blocks
         if self.model_hook is not None:
             self.model_hook.main_hook()
 
@@ -310,22 +320,30 @@ class _OrderedHook(JoinHook):
             if self.model_hook is not None:  # DDP's final model broadcast: every rank must take part
                 self.model_hook.post_hook(is_last_joiner)
         finally:
-            for hook in self.metric_hooks:  # they never raise: errors are raised by `join` on exit
-                hook.post_hook(is_last_joiner)
+            self.metric_hook.post_hook(is_last_joiner)  # never raises here: `join` raises its errors on exit
 
 
 class _JoinedGroup(Joinable):
-    """The one joinable :func:`join` hands to ``Join``: the model (first, counts the ranks) and the metrics."""
+    """The one joinable :func:`join` hands to ``Join``: the model and the metrics.
+
+    It is the first joinable, and counts the running ranks (on DDP's forward, or at each per-step sync without a
+    model) so that the metrics can read the count; a model that is not DDP counts them itself instead.
+    """
 
     def __init__(self, model: Joinable | None, metrics: list[JoinableMetric]) -> None:
         self.model = model
         self.metrics = metrics
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        self.counted = model is None or self.ddp is not None
+        self.session: _Session | None = None
         self.hook: _OrderedHook | None = None
         super().__init__()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         model_hook = self.model.join_hook(**kwargs) if self.model is not None else None
-        self.hook = _OrderedHook(model_hook, [metric._make_join_hook() for metric in self.metrics])
+        notifier = self if self.counted else self.model
+        self.session = _Session(self.metrics, notifier, self.ddp, self.counted, owned=True)
+        self.hook = _OrderedHook(model_hook, MetricJoinHook(self.session))
         return self.hook
 
     @property
@@ -342,12 +360,13 @@ class _JoinedGroup(Joinable):
 
     @_join_config.setter
     def _join_config(self, config: Any) -> None:
-        # What Join would set on each joinable were they listed one by one: the first one (the model, else the
-        # first metric) counts the running ranks; the others' notify is a no-op.
+        # What each member needs of Join's config: "enable" for all, "first" only for a model that counts itself.
         self.__dict__["_join_config_value"] = config
-        members: list[Any] = [*([self.model] if self.model is not None else []), *self.metrics]
-        for position, member in enumerate(members):
-            member._join_config = config._replace(is_first_joinable=config.is_first_joinable and position == 0)
+        first = config.is_first_joinable and not self.counted
+        if self.model is not None:
+            self.model._join_config = config._replace(is_first_joinable=first)
+        for metric in self.metrics:
+            metric._join_config = config._replace(is_first_joinable=False)
 
 
 def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -> "_MetricJoin":
@@ -357,16 +376,19 @@ def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -
     is done it takes part in DDP's collectives (DDP's own join hook) and in each metric's per-step syncs
     (``dist_sync_on_step=True``) as a rank with an empty batch, so nothing hangs and every value stays exact.
 
-    Builds :class:`torch.distributed.algorithms.join.Join` with the model as first joinable (it counts the running
-    ranks before its forward collectives), the metrics' hooks before the model's (they start the shadowing thread
-    that DDP's hook waits on) and the model's post hook first (DDP's final model broadcast runs on every rank). On
-    exit, whatever happened, the metrics' per-step syncs go back to their own process group; an error of a shadowing
-    thread is raised once ``Join`` finished. Every rank of the world must enter the same ``join`` (the first one of a
-    metric makes its side process group, a collective on the world). A plain ``Join`` holding a metric of this package
-    raises ``ValueError``.
+    Builds :class:`torch.distributed.algorithms.join.Join` with one joinable that counts the running ranks (on the
+    DDP model's forward, or at each per-step sync for metrics alone), runs the metrics' hook before the model's (it
+    starts the shadowing thread that DDP's hook waits on) and the model's post hook first (DDP's final model
+    broadcast runs on every rank). The per-step syncs travel on the metrics' own process group until some rank has
+    joined, then on a gloo side group. On exit, whatever happened, the metrics leave the join; an error of the
+    shadowing thread is raised once ``Join`` finished. Every rank of the world must enter the same ``join`` (the
+    first one on a process group makes its side group, a collective on the world). A plain ``Join`` works too when
+    it lists the metrics first (``Join([metric, ddp_model])``); one that lists them after another joinable raises
+    ``ValueError``.
 
     Args:
-        model: the first joinable, usually the ``DistributedDataParallel`` model; None, or a metric, for metrics alone.
+        model: the DDP model, another joinable (it then counts the running ranks itself, and the per-step syncs use
+            the side group from the first one), None, or a metric, for metrics alone.
         metrics: the metrics (:class:`~torchmetrics_varlen.Metric`) whose per-step syncs are shadowed. A
             ``MetricCollection`` is not a joinable: list its members.
         join_kwargs: keyword arguments of ``Join`` (``enable``, ``throw_on_early_termination``) and of the joinables'
@@ -422,8 +444,6 @@ class _MetricJoin:
         self._group = _JoinedGroup(self.model, self.metrics)
         try:
             self._join = Join([self._group], **self.join_kwargs)
-            for metric in self.metrics:  # Join(enable=False) shadows nothing: syncs stay on the metric's group
-                metric._join_active = bool(self.join_kwargs.get("enable", True))
         except BaseException:
             self._leave()
             raise
@@ -439,27 +459,27 @@ class _MetricJoin:
         except BaseException as err:
             # A collective of Join (or DDP's hook) gave way, most likely because a peer failed and left: if a worker
             # of ours saw why, that is the error to report. Workers stop at once after a peer's failure record.
-            for hook in self._metric_hooks():
-                hook.settle(_SETTLE_SECONDS)
-            shadow = self._shadow_errors()
+            session = self._session()
+            if session is not None:
+                session.shadow.join(timeout=_SETTLE_SECONDS)
+            shadow = session.all_errors() if session is not None else []
             if shadow:  # a blocked collective gave way because a peer failed: name the first cause
                 raise JoinShadowError(str(shadow[0])) from err
             raise
         finally:
             self._leave()
-        if exc is None:
-            shadow = self._shadow_errors()
-            if shadow:
-                raise shadow[0]
+        session = self._session()
+        if exc is None and session is not None:
+            errors = session.all_errors()
+            if errors:
+                raise errors[0]
 
-    def _metric_hooks(self) -> list[MetricJoinHook]:
-        hook = self._group.hook if self._group is not None else None
-        return hook.metric_hooks if hook is not None else []
-
-    def _shadow_errors(self) -> list[BaseException]:
-        return [err for hook in self._metric_hooks() for err in hook.errors]
+    def _session(self) -> _Session | None:
+        return self._group.session if self._group is not None else None
 
     def _leave(self) -> None:
+        session = self._session()
+        if session is not None:
+            session.detach()
         for metric in self.metrics:
-            metric._join_active = False
             metric._join_config = metric._join_config._replace(enable=False)

@@ -1,6 +1,8 @@
 """``torchmetrics_varlen.Metric``: a torchmetrics base class whose sync is coalesced, varlen-safe and never doubled."""
 
+import copyreg
 import functools
+import importlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
@@ -61,8 +63,9 @@ class Metric(StockMetric, JoinableMetric):
       cannot leave the others waiting.
     * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
       :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
-      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` holding
-      the metric raises ``ValueError``. ``dist_reduce_fx="mean"`` states would count the empty ranks.
+      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` works
+      with the metrics listed first (``Join([metric, ddp_model])``) and raises ``ValueError`` when another joinable
+      comes before a metric. ``dist_reduce_fx="mean"`` states would count the empty ranks.
     * **Clear failures.** Ranks syncing different metrics, layouts or phases raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
       :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
@@ -113,13 +116,6 @@ class Metric(StockMetric, JoinableMetric):
         self.sync_timeout = resolve_timeout(sync_timeout)
         self._init_join()
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        base = type(self).__dict__.get("_rebased_from")
-        if base is None:  # a class of its own (a subclass of this class or of a rebased one): pickled by reference
-            return super().__reduce_ex__(protocol)
-        # A rebased class is made at run time and named like its stock base: rebuild it from that base.
-        return _new_rebased, (base,), self.__getstate__()
-
     def __getstate__(self) -> dict[str, Any]:
         return self._join_state_for_pickle(super().__getstate__())
 
@@ -137,9 +133,11 @@ class Metric(StockMetric, JoinableMetric):
     def _exchange(self, process_group: Any) -> StateDict:
         group = process_group or self.process_group
         phase = self._sync_phase()
-        if phase == "step":
-            group = self._step_sync_group(group)
         label = f"{type(self).__name__}.{phase}"
+        if phase == "step":  # inside Join, once some rank has joined: on the side group, shadowed by that rank
+            joined = self._join_step_sync(label)
+            if joined is not None:
+                return joined
         differentiable = self.sync_grads and torch.is_grad_enabled()
         return sync_states(
             [self], group, phase=phase, label=label, timeout=self.sync_timeout, differentiable=differentiable
@@ -249,11 +247,45 @@ class Metric(StockMetric, JoinableMetric):
 _M = TypeVar("_M", bound=StockMetric)
 
 
-def _new_rebased(base: type[StockMetric]) -> StockMetric:
-    """An empty instance of ``rebase(base)``, for unpickling (its state is set next, as for any module)."""
-    cls: type[StockMetric] = rebase(base)
-    instance: StockMetric = object.__new__(cls)
-    return instance
+class _RebasedMeta(type(StockMetric)):  # type: ignore[misc]
+    """The metaclass of the classes :func:`rebase` makes: it only tells pickle how to find them again.
+
+    A rebased class is made at run time and named like its stock base, so pickle cannot look it up by module and
+    name. Pickled as "``rebase`` of its base" instead (the base by reference), it unpickles to the very same class in
+    this process (``rebase`` caches one class per base) and to an equivalent one in a fresh process. Pickling
+    instances needs nothing more: an instance pickles its class, then its state, as any module does.
+    """
+
+
+def _reduce_rebased_class(cls: type) -> Any:
+    base = cls.__dict__.get("_rebased_from")
+    if base is None:  # a class of its own deriving from a rebased one: by reference, as any class
+        return cls.__qualname__
+    # The base by module and name rather than by reference: code that swaps the rebased class in under the stock name
+    # (`module.BinaryAUROC = rebase(BinaryAUROC)`) makes pickle's own lookup of the base find the rebased class.
+    return _rebase_by_name, (base.__module__, base.__qualname__)
+
+
+def _rebase_by_name(module: str, qualname: str) -> type[StockMetric]:
+    """``rebase`` of the class named ``qualname`` in ``module``: unpickles a rebased class.
+
+    The name may hold the stock class or, where it was swapped in, the rebased class itself: both give the rebased one.
+    """
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return rebase(found)
+
+
+@functools.cache
+def _rebased_meta(meta: type) -> type:
+    """The metaclass of ``rebase(cls)`` for a class whose metaclass is ``meta`` (torchmetrics': ``ABCMeta``)."""
+    rebased_meta = (
+        _RebasedMeta if issubclass(_RebasedMeta, meta) else type(f"_Rebased{meta.__name__}", (meta, _RebasedMeta), {})
+    )
+    # copyreg's table is keyed by the exact metaclass; pickle consults it before its own "a class: by reference".
+    copyreg.pickle(rebased_meta, _reduce_rebased_class)
+    return rebased_meta
 
 
 @functools.cache
@@ -263,8 +295,10 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
     The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only
     the sync changes (one-shot, varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments).
     Its ``__name__`` and ``__qualname__`` are the stock ones, so collection keys, logged names and ``compute_groups``
-    given by class name stay as they are; its module is ``torchmetrics_varlen.metric``. Instances pickle, deep-copy
-    and ``torch.save`` anywhere the package is importable: they are rebuilt through ``rebase(metric_cls)``.
+    given by class name stay as they are; its module is ``torchmetrics_varlen.metric``. The class and its instances
+    pickle, deep-copy and ``torch.save`` anywhere the package is importable: the class pickles as
+    ``rebase(metric_cls)`` (``metric_cls`` by reference, so it must be importable), and unpickles to this very class
+    in the same process (one class per base is cached) and to an equivalent one in a fresh process.
 
     Args:
         metric_cls: a subclass of :class:`torchmetrics.Metric`.
@@ -307,5 +341,7 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
         "__doc__": metric_cls.__doc__,
         "_rebased_from": metric_cls,
     }
-    rebased = type(metric_cls.__name__, (metric_cls, Metric), namespace)
-    return rebased  # type: ignore[return-value]
+    base_meta: type = type(metric_cls)
+    meta: Any = _rebased_meta(base_meta)
+    rebased: type[_M] = meta(metric_cls.__name__, (metric_cls, Metric), namespace)
+    return rebased

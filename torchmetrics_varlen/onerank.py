@@ -115,8 +115,9 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
     assert synced is not None  # no `stop` given
     outcome = _compute_here(metric, layout, synced) if rank == dst else None
-    like = _engine.first_device(layout.entries)
-    policy = _policy.policy_for(group, like)
+    # The broadcast's backend and device come from the metric's device, like the gather's: never from the states
+    # (a rank whose list states are empty would pick another backend of a "cpu:gloo,cuda:nccl" group).
+    policy = _policy.policy_for(group, layout.device, _engine.first_device(layout.entries))
     ok, value = _share_outcome(outcome, dst, group, policy, metric, timeout)
     if not ok:
         raise value

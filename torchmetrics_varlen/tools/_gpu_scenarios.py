@@ -452,7 +452,7 @@ class Scenario:
     """One check: a name (stable, printed), what it covers, and the function every rank runs.
 
     Example:
-        >>> from torchmetrics_varlen.tools.gpu_check import SCENARIOS
+        >>> from torchmetrics_varlen.tools._gpu_scenarios import SCENARIOS
         >>> SCENARIOS[-1].name
         'group-after-timeout'
     """

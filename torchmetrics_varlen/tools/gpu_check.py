@@ -19,7 +19,9 @@ Modes, chosen from what is visible:
 * ``cpu`` (``--cpu``): gloo and CPU tensors. The scenarios about CUDA states run with CPU states or are skipped. CI runs
   this mode, so the code of every scenario runs on every change.
 
-Without a GPU (and without ``--cpu``) it says so and exits 0. The missing-rank scenario leaves a collective pending on
+``--list`` prints the scenarios' names and what each covers, and runs nothing (no GPU or torchrun needed:
+``python -m torchmetrics_varlen.tools.gpu_check --list``, or ``python -m nox -s gpu -- --list``). Without a GPU (and
+without ``--cpu``) it says so and exits 0. The missing-rank scenario leaves a collective pending on
 purpose, so the script ends its processes with ``os._exit`` after printing, instead of tearing the groups down.
 """
 
@@ -36,9 +38,21 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen.tools._gpu_scenarios import SCENARIOS, Ctx, NoteError, Scenario, SkipError
+from torchmetrics_varlen.tools import _gpu_device_scenarios, _gpu_join_scenarios, _gpu_scenarios
+from torchmetrics_varlen.tools._gpu_scenarios import Ctx, NoteError, Scenario, SkipError
 
 __all__ = ["NO_GPU_MESSAGE", "SCENARIOS", "Scenario", "main"]
+
+# The missing-rank scenario leaves a collective pending on the job's group, and NCCL's watchdog may end the process
+# at the group's timeout after it: the scenarios about timeouts run last, everything else before them.
+_TIMEOUTS = ("late-rank", "missing-rank", "group-after-timeout")
+SCENARIOS: tuple[Scenario, ...] = (
+    *(scenario for scenario in _gpu_scenarios.SCENARIOS if scenario.name not in _TIMEOUTS),
+    *_gpu_device_scenarios.SCENARIOS,  # issue 20, items 2-4: backend, device, autograd thread, stream
+    *_gpu_join_scenarios.SCENARIOS,  # issue 20, item 1 and 7: Join with states on the device, the group switch
+    *(scenario for scenario in _gpu_scenarios.SCENARIOS if scenario.name in _TIMEOUTS),
+    # (the timeout scenarios of issue 20 go here)
+)
 
 NO_GPU_MESSAGE = (
     "gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False): nothing to check on NCCL. "
@@ -49,7 +63,7 @@ NO_GPU_MESSAGE = (
 # -------------------------------------------------------------------------------------------------------- runner
 def _stuck(name: str, rank: int, seconds: float) -> None:
     """Watchdog: a scenario that hangs ends the process with a FAIL line and every thread's stack."""
-    print(f"FAIL    {name:<21} rank {rank} still running after {seconds:g} s (a hang); exiting", flush=True)
+    print(f"FAIL    {name:<24} rank {rank} still running after {seconds:g} s (a hang); exiting", flush=True)
     faulthandler.dump_traceback(all_threads=True)
     sys.stderr.flush()
     os._exit(3)
@@ -94,7 +108,7 @@ def _run_scenarios(ctx: Ctx, scenarios: tuple[Scenario, ...], watchdog: float) -
             timer.cancel()
         results.append((scenario.name, status, detail))
         if ctx.rank == 0:
-            print(f"{status:<7} {scenario.name:<21} {detail}", flush=True)
+            print(f"{status:<7} {scenario.name:<24} {detail}", flush=True)
     return results
 
 
@@ -138,6 +152,7 @@ def _header(ctx: Ctx) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the check on this rank; return the exit status (0: nothing failed).
 
+    With ``--list`` it prints each scenario's name and summary and returns 0 (no GPU, torchrun or group needed).
     Without a GPU and without ``--cpu`` it prints :data:`NO_GPU_MESSAGE` and returns 0 at once. Otherwise it must run
     under torchrun with at least 2 processes; ``python -m torchmetrics_varlen.tools.gpu_check`` then ends each process
     with ``os._exit`` (the missing-rank scenario leaves a collective pending on purpose).
@@ -151,7 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="gloo and CPU tensors: the CI mode, no GPU needed")
     parser.add_argument("--watchdog", type=float, default=120.0, help="seconds before a scenario counts as hung")
     parser.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout in seconds")
+    parser.add_argument("--list", action="store_true", help="print the scenarios' names and what each covers, run none")
     args = parser.parse_args(argv)
+    if args.list:  # no GPU, no torchrun, no process group needed
+        if os.environ.get("RANK", "0") == "0":
+            for scenario in SCENARIOS:
+                print(f"{scenario.name:<24} {scenario.summary}", flush=True)
+        return 0
     if not args.cpu and not torch.cuda.is_available():
         if os.environ.get("RANK", "0") == "0":
             print(NO_GPU_MESSAGE, flush=True)
