@@ -29,8 +29,8 @@ def _install(session: nox.Session, *args: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The test-suite (spawned gloo CPU ranks, a Lightning Trainer, torchrun) and the doctests."""
-    _install(session, "-e", ".[test,lightning]")
+    """The test-suite (spawned gloo CPU ranks, Lightning Trainers, Accelerate and torchrun) and the doctests."""
+    _install(session, "-e", ".[test,lightning,accelerate]")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
@@ -100,7 +100,7 @@ def bench(session: nox.Session) -> None:
 @nox.parametrize("torchmetrics", [OLDEST_TORCHMETRICS, "latest"])
 def compat(session: nox.Session, torchmetrics: str) -> None:
     """The test-suite against the oldest supported (with the oldest lightning-utilities) and the newest torchmetrics."""
-    _install(session, "-e", ".[test,lightning]")
+    _install(session, "-e", ".[test,lightning,accelerate]")
     if torchmetrics == "latest":
         _install(session, "--upgrade", "--no-deps", "torchmetrics", "lightning-utilities")
     else:

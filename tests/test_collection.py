@@ -144,3 +144,71 @@ def test_compute_groups_formed_on_some_ranks_only(world_size, scenario):
     group_counts = {result["groups"] for result in results}
     if scenario != "uneven":
         assert len(group_counts) == 2  # the layouts really differed between ranks
+
+
+def body_members_computed_one_by_one(rank, world_size, scenario):
+    """As Lightning's `log_dict(collection)` does at epoch end: each member's own compute(), member after member."""
+    sizes = SIZES[scenario][:world_size]
+    gen = torch.Generator().manual_seed(5)
+    preds = torch.softmax(torch.randn(sum(sizes), 5, generator=gen), -1)
+    target = torch.randint(0, 5, (sum(sizes),), generator=gen)
+    ours = MetricCollection(eight_metric_members())
+    mine = split(sizes, rank)
+    if sizes[rank]:  # an empty rank updates nothing (a batch of none does not reshape)
+        _update(ours, preds[mine], target[mine])
+    members = dict(ours.items(keep_base=False, copy_state=False))  # what Lightning's log_dict iterates
+    with count_collectives() as counts:
+        got = {name: metric.compute() for name, metric in members.items()}
+    # After a reset (Lightning's at epoch end) and new updates, the next member compute syncs once again.
+    ours.reset()
+    if sizes[rank]:
+        _update(ours, preds[mine], target[mine])
+    with count_collectives() as again_counts:
+        again = {name: metric.compute() for name, metric in members.items()}
+    # A deep copy (Lightning's checkpointing, `clone()`) keeps the one-shot member compute.
+    copy = ours.clone()
+    copy.reset()
+    if sizes[rank]:
+        _update(copy, preds[mine], target[mine])
+    with count_collectives() as copy_counts:
+        copied = {name: metric.compute() for name, metric in copy.items(keep_base=False, copy_state=False)}
+    reference = StockCollection({k: m.__class__(**_kwargs(m)) for k, m in eight_metric_members().items()})
+    for metric in reference.values(copy_state=False):
+        metric.sync_on_compute = False
+        metric._to_sync = False
+    _update(reference, preds, target)
+    expected = reference.compute()
+    return {
+        "got": got,
+        "again": again,
+        "copied": copied,
+        "expected": expected,
+        "calls": [sum(counts.values()), sum(again_counts.values()), sum(copy_counts.values())],
+    }
+
+
+@pytest.mark.parametrize("scenario", ["uneven", "one_empty"])
+def test_members_computed_one_by_one_sync_the_collection_once(scenario):
+    # One member sync costs 2 collectives (metadata + data); 8 members one by one cost 8 syncs without the one-shot.
+    for result in run_distributed(body_members_computed_one_by_one, 3, scenario):
+        assert_same(result["got"], result["expected"])
+        assert_same(result["copied"], result["expected"])
+        assert_same(result["again"], result["expected"])
+        assert all(0 < calls <= 2 for calls in result["calls"]), result["calls"]
+
+
+def body_one_member_of_a_partly_used_collection(rank, world_size):
+    """Only one member is updated and computed: the never-updated one (AUROC of nothing raises) must not break it."""
+    from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+
+    gen = torch.Generator().manual_seed(3)
+    scores, target = torch.rand(9, generator=gen), torch.randint(0, 2, (9,), generator=gen)
+    ours = MetricCollection({"acc": BinaryAccuracy(), "auroc": BinaryAUROC(thresholds=None)})
+    mine = split([6, 3], rank)
+    ours["acc"].update(scores[mine], target[mine])
+    return {"acc": ours["acc"].compute(), "expected": BinaryAccuracy()(scores, target)}
+
+
+def test_one_member_computed_while_another_was_never_updated():
+    for result in run_distributed(body_one_member_of_a_partly_used_collection, 2):
+        assert_same(result["acc"], result["expected"])

@@ -38,3 +38,20 @@ def test_command_line_reaches_the_tools_lazily():
         [sys.executable, "-m", "torchmetrics_varlen", "demo", "--help"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0 and "--report" in result.stdout, result.stdout + result.stderr
+
+
+def test_package_and_lightning_module_import_without_lightning():
+    # `sys.modules[name] = None` makes `import name` fail as if the package were not installed.
+    script = (
+        "import sys\n"
+        "sys.modules['lightning'] = sys.modules['lightning.pytorch'] = None\n"
+        "import torchmetrics_varlen\n"
+        "from torchmetrics_varlen.lightning import ExactEvaluation\n"
+        "try:\n"
+        "    ExactEvaluation()\n"
+        "except ModuleNotFoundError as err:\n"
+        "    print('refused:', err)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused:" in result.stdout and "pip install 'torchmetrics-varlen[lightning]'" in result.stdout

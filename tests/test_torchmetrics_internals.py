@@ -413,3 +413,18 @@ def test_torch_distributed_private_functions(name):
     import torch.distributed.distributed_c10d as c10d
 
     assert callable(getattr(c10d, name, None)), f"torch changed torch.distributed.distributed_c10d.{name}"
+
+
+def test_wrapped_compute_is_an_instance_attribute_dropped_by_pickling():
+    # MetricCollection wraps each member's `compute` instance attribute (one sync for members computed one by one,
+    # as Lightning's log_dict does) and wraps deep copies again: torchmetrics keeps the wrapped compute in the instance
+    # dict and drops it from the pickled state, rebuilding it in __setstate__.
+    import copy
+
+    metric = SumMetric()
+    assert "compute" in vars(metric) and callable(vars(metric)["compute"]), _fail("Metric.compute instance attribute")
+    assert "compute" not in metric.__getstate__(), _fail("Metric.__getstate__")
+    clone = copy.deepcopy(metric)
+    assert "compute" in vars(clone) and vars(clone)["compute"] is not vars(metric)["compute"], _fail("__setstate__")
+    metric.update(torch.tensor(2.0))
+    assert vars(metric)["compute"]() == 2.0 and metric._should_unsync, _fail("Metric._should_unsync")

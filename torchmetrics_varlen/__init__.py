@@ -6,6 +6,7 @@ from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.indexed import IndexedMetric
 from torchmetrics_varlen.join import join
 from torchmetrics_varlen.losses import SoftF1Loss
+from torchmetrics_varlen.mesh import mesh_group
 from torchmetrics_varlen.metric import Metric, rebase
 from torchmetrics_varlen.onerank import compute_on_rank
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
@@ -25,5 +26,6 @@ __all__ = [
     "compute_on_rank",
     "gather_all_tensors",
     "join",
+    "mesh_group",
     "rebase",
 ]

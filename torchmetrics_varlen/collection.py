@@ -1,6 +1,8 @@
 """``torchmetrics_varlen.MetricCollection``: all members' states synced in one shot, compute groups moved once."""
 
-from collections.abc import Generator
+import functools
+import weakref
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +27,11 @@ class MetricCollection(StockMetricCollection):
     shared by a compute group is moved once), then each member computes from the global states and gets its local
     states back. Members with a custom ``dist_sync_fn`` or a ``process_group`` of their own sync themselves.
     Members whose ``compute()`` result is cached return it without any exchange, as stock ones do.
+
+    A member's own ``compute()`` syncs the whole collection too: the first member computed (with no valid cached
+    result) syncs every eligible member at once and caches each result, so the members computed next return theirs
+    with no exchange. That is how ``self.log_dict(collection)`` in Lightning, which computes member after member at
+    epoch end, costs one sync for the collection. Members with ``compute_with_cache=False`` compute on their own.
 
     Args:
         metrics: as for :class:`torchmetrics.MetricCollection`.
@@ -55,11 +62,48 @@ class MetricCollection(StockMetricCollection):
     ) -> None:
         super().__init__(metrics, *additional_metrics, prefix=prefix, postfix=postfix, compute_groups=compute_groups)
         self.sync_timeout = resolve_timeout(sync_timeout)
+        self._join_member_computes()
+
+    def add_metrics(self, metrics: Any, *additional_metrics: StockMetric) -> None:
+        """Add members as :class:`torchmetrics.MetricCollection` does; their ``compute()`` syncs the collection."""
+        super().add_metrics(metrics, *additional_metrics)
+        if "sync_timeout" in vars(self):  # not during __init__: that joins the members once they are all in
+            self._join_member_computes()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled and deep-copied members get torchmetrics' plain `compute` back: join the copies again.
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        self._join_member_computes()
 
     def compute(self) -> dict[str, Any]:
         """Sync all members at once, then compute each one from the global states."""
         with self._synced_members():
             return self._compute_and_reduce("compute")
+
+    def _join_member_computes(self) -> None:
+        """Wrap each member's ``compute`` so that the first one computed syncs the whole collection (see above).
+
+        torchmetrics keeps a metric's wrapped ``compute`` as an instance attribute (and drops it when pickling); the
+        wrapper goes around that one and holds the collection weakly (a member must not keep its collection alive).
+        """
+        collection = weakref.ref(self)
+        for metric in self._modules.values():
+            compute = vars(metric).get("compute")
+            if isinstance(metric, StockMetric) and callable(compute) and not hasattr(compute, "__tv_collection__"):
+                vars(metric)["compute"] = _collection_compute(collection, metric, compute)
+
+    def _cache_members_for(self, trigger: StockMetric) -> None:
+        """A member's ``compute()`` is about to run: sync and compute every eligible member at once, cache each.
+
+        Decided from the members' configuration and cache state, as ``compute()`` decides (the same on every rank
+        when every rank logs and computes the same members, as Lightning does).
+        """
+        if "_syncing" in vars(self) or _transport.world_of(None) is None:
+            return
+        members = [m for m in self._coalesced_members() if m._computed is None and m.compute_with_cache]
+        if trigger not in members:
+            return
+        self._sync_and_compute(members, tolerant=True)
 
     def _coalesced_members(self) -> list[StockMetric]:
         """Members that take part in the one-shot sync, chosen from their configuration only (equal on all ranks).
@@ -89,26 +133,55 @@ class MetricCollection(StockMetricCollection):
         # Members whose cached result is valid return it with no collective, as stock ones do; when every member's
         # is, the collection syncs nothing at all (`compute()` on rank 0 only after every rank computed is legal).
         members = [m for m in self._coalesced_members() if m._computed is None]
+        self._sync_and_compute(members)
+        uncached = [metric for metric in members if not metric.compute_with_cache]
+        vars(self)["_syncing"] = True  # the members' computes below must not start another collection sync
+        try:
+            yield
+        finally:
+            del vars(self)["_syncing"]
+            for metric in uncached:
+                vars(metric)["_computed"] = None
+
+    def _sync_and_compute(self, members: list[StockMetric], tolerant: bool = False) -> None:
+        """One sync of ``members``' states, then each member's result from the global states into its cache.
+
+        ``tolerant``: a member whose compute raises is left uncached (for one member's ``compute()``, the others are
+        computed ahead only to save their syncs: one never updated must not break it; its own ``compute()`` later
+        syncs on its own and raises what it would have raised).
+        """
         if members and _transport.world_of(None) is not None:
             synced = sync_states(members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout)
         else:  # a group of one: nothing to exchange (stock members would still gather with themselves)
             synced = [{} for _ in members]
-        uncached: list[StockMetric] = []
         for metric, states in zip(members, synced):
             local = {name: vars(metric)[name] for name in states}
             try:
                 _set_states(metric, states)
                 computed = Metric._finish(type(metric).compute(metric))  # the unwrapped compute
                 vars(metric)["_computed"] = computed  # a plain attribute, as `_set_states` explains
+            except Exception:
+                if not tolerant:
+                    raise
             finally:
                 _set_states(metric, local)
-            if not metric.compute_with_cache:
-                uncached.append(metric)
-        try:
-            yield
-        finally:
-            for metric in uncached:
-                vars(metric)["_computed"] = None
+
+
+def _collection_compute(
+    collection: "weakref.ref[MetricCollection]", metric: StockMetric, compute: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``metric.compute`` that first lets its collection sync all members at once (``forward``'s batch value not)."""
+
+    @functools.wraps(compute)
+    def compute_in_collection(*args: Any, **kwargs: Any) -> Any:
+        owner = collection()
+        # `forward` computes the batch value with `_should_unsync` cleared: a per-step value, never the collection's.
+        if owner is not None and metric._computed is None and metric._should_unsync:
+            owner._cache_members_for(metric)
+        return compute(*args, **kwargs)
+
+    compute_in_collection.__tv_collection__ = collection  # type: ignore[attr-defined]
+    return compute_in_collection
 
 
 def _set_states(metric: StockMetric, states: dict[str, Any]) -> None:

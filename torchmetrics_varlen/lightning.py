@@ -1,0 +1,206 @@
+"""Lightning integration: exact multi-device validation and test in one line, and clear errors instead of hangs.
+
+Import this module only where Lightning is installed (``pip install 'torchmetrics-varlen[lightning]'``); the rest of
+the package never imports Lightning.
+"""
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the package imports without Lightning; the callback says what is missing when it is made
+    Callback = object  # type: ignore[misc,assignment]
+    _LIGHTNING_ERROR: str | None = (
+        "`torchmetrics_varlen.lightning.ExactEvaluation` needs Lightning: pip install 'torchmetrics-varlen[lightning]'"
+    )
+else:
+    _LIGHTNING_ERROR = None
+
+__all__ = ["ExactEvaluation", "UnevenStepsError"]
+
+# Strategy methods that are collectives: inside an evaluation step with uneven per-rank step counts each one would
+# wait forever on the ranks that still have batches (the others have left the loop).
+_STRATEGY_COLLECTIVES = ("reduce", "all_gather", "broadcast", "barrier")
+
+
+class UnevenStepsError(RuntimeError):
+    """A collective in a loop whose ranks run different numbers of steps: raised on every rank instead of a hang."""
+
+
+class ExactEvaluation(Callback):  # type: ignore[misc,valid-type]
+    """Make Lightning's multi-device validation and test exact: every sample is evaluated exactly once.
+
+    Add it to the trainer, ``Trainer(callbacks=[ExactEvaluation()])``, and change nothing else. Where Lightning would
+    shard a validation or test data loader with its padding ``DistributedSampler`` (which repeats samples so that
+    every rank gets as many as rank 0), the loader gets an
+    :class:`~torchmetrics_varlen.UnpaddedDistributedSampler` instead: the same strided split, each sample on exactly
+    one rank, shuffled (seeded with ``PL_GLOBAL_SEED`` as Lightning seeds its own) when the loader shuffles. A loader
+    with a custom sampler gets Lightning's own unrepeated wrapper. Training loaders and loaders that already carry a
+    ``DistributedSampler`` are left as they are. Metrics logged with ``self.log(name, metric)`` (this package's or
+    rebased ones) then give exactly the single-process value at epoch end.
+
+    Ranks may then run different numbers of evaluation steps (21 samples in batches of 5 on 2 ranks: 3 and 2). That
+    is harmless for metric objects and for ``self.log(..., sync_dist=True)`` with the default ``on_step=False`` (one
+    reduction per name at epoch end), but a collective inside every step, ``self.log(..., on_step=True,
+    sync_dist=True)``, ``self.all_gather`` or ``trainer.strategy.reduce`` in ``validation_step``, would wait forever on
+    the ranks with more batches. The callback compares the step counts of all ranks at the start of each evaluation
+    loop (one small exchange) and, when they differ, makes such a collective raise :class:`UnevenStepsError` on every
+    rank at its first step instead. With equal counts (for example ``limit_val_batches``) nothing is checked.
+
+    Training must run equal step counts on every rank (DDP's gradient all-reduce needs every rank at every step).
+    Lightning's own training sampler guarantees that; with ``check_training=True`` (the default) the callback compares
+    the counts at the start of each training epoch and raises :class:`UnevenStepsError` on every rank when they differ
+    (a custom sampler or data split), instead of letting the fit hang at the first step one rank lacks.
+
+    Args:
+        check_training: compare the training step counts of all ranks at each training epoch start.
+
+    Raises:
+        ModuleNotFoundError: Lightning is not installed.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from torchmetrics_varlen.lightning import ExactEvaluation
+        >>> trainer = Trainer(accelerator="cpu", devices=1, callbacks=[ExactEvaluation()], logger=False,
+        ...                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        >>> any(isinstance(callback, ExactEvaluation) for callback in trainer.callbacks)
+        True
+    """
+
+    def __init__(self, check_training: bool = True) -> None:
+        if _LIGHTNING_ERROR is not None:
+            raise ModuleNotFoundError(_LIGHTNING_ERROR)
+        if not isinstance(check_training, bool):
+            raise ValueError(f"Expected `check_training` to be a bool but got {check_training!r}")
+        super().__init__()
+        self.check_training = check_training
+        self._uneven: str | None = None  # the per-rank step counts of the running evaluation loop, when they differ
+        self._in_step = False
+        self._patched: list[tuple[Any, str]] = []
+
+    # ------------------------------------------------------------------------------------------------ set-up
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Route evaluation loaders through the unpadded sampler and guard the strategy's collectives."""
+        self.teardown(trainer, pl_module, stage)  # a run that raised skips the teardown hook: never wrap twice
+        connector = trainer._data_connector
+        prepare = connector._prepare_dataloader
+        self._patch(connector, "_prepare_dataloader", self._unpadded_prepare(trainer, connector, prepare))
+        for name in _STRATEGY_COLLECTIVES:
+            self._patch(trainer.strategy, name, self._guarded(name, getattr(trainer.strategy, name)))
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Undo what :meth:`setup` patched (a later ``fit``/``validate``/``test`` patches again)."""
+        while self._patched:
+            owner, name = self._patched.pop()
+            vars(owner).pop(name, None)  # the instance attribute goes; the class's method shows again
+
+    def _patch(self, owner: Any, name: str, value: Callable[..., Any]) -> None:
+        vars(owner)[name] = value
+        self._patched.append((owner, name))
+
+    def _unpadded_prepare(self, trainer: Any, connector: Any, prepare: Callable[..., Any]) -> Callable[..., Any]:
+        from lightning.pytorch.trainer.states import RunningStage
+
+        evaluating = (RunningStage.VALIDATING, RunningStage.TESTING, RunningStage.SANITY_CHECKING)
+
+        def prepare_dataloader(dataloader: object, shuffle: bool, mode: Any) -> object:
+            if mode not in evaluating or not isinstance(dataloader, DataLoader):
+                return prepare(dataloader, shuffle, mode)
+            if not connector._requires_distributed_sampler(dataloader):
+                return prepare(dataloader, shuffle, mode)
+            sampler = _unpadded_sampler(dataloader, shuffle and not trainer.overfit_batches, trainer)
+            from lightning.pytorch.utilities.data import _update_dataloader
+
+            return _update_dataloader(dataloader, sampler, mode=mode)
+
+        return prepare_dataloader
+
+    # ---------------------------------------------------------------------------------------- uneven steps
+    def _guarded(self, name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self._in_step and self._uneven is not None:
+                raise UnevenStepsError(
+                    f"`trainer.strategy.{name}` was called inside an evaluation step, but the ranks run different"
+                    f" numbers of evaluation steps ({self._uneven}; ExactEvaluation gives every sample to one rank"
+                    " only): the ranks with more batches would wait forever for the others. Typical causes:"
+                    " `self.log(..., on_step=True, sync_dist=True)`, `self.all_gather(...)` or"
+                    " `self.trainer.strategy.reduce(...)` in `validation_step`/`test_step`. Log plain tensors with"
+                    " `on_step=False` (reduced once at epoch end), log a metric object, or gather in"
+                    " `on_validation_epoch_end`."
+                )
+            return collective(*args, **kwargs)
+
+        return guarded
+
+    def _compare_counts(self, trainer: Any, counts: Sequence[float], what: str) -> str | None:
+        """Every rank's step counts, exchanged in one small all-gather; a description when they differ."""
+        local = torch.tensor([-1 if c == float("inf") else int(c) for c in counts], dtype=torch.long)
+        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).cpu()
+        table = gathered.reshape(-1, len(counts)) if len(counts) else gathered.reshape(-1, 0)
+        if len(table) < 2 or bool((table == table[0]).all()):
+            return None
+        rows = [row.tolist() if len(counts) > 1 else row.item() for row in table]
+        per_rank = ", ".join(f"rank {rank}: {row}" for rank, row in enumerate(rows))
+        return f"{what} per rank: {per_rank}"
+
+    def _on_evaluation_start(self, trainer: Any, counts: Sequence[float]) -> None:
+        self._in_step = False
+        self._uneven = self._compare_counts(trainer, counts, "steps")
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Compare the validation (or sanity-check) step counts of the ranks."""
+        counts = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self._on_evaluation_start(trainer, counts)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        """Compare the test step counts of the ranks."""
+        self._on_evaluation_start(trainer, trainer.num_test_batches)
+
+    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        """Mark the step: a strategy collective from here to the batch end is checked."""
+        self._in_step = True
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        """End of the checked step."""
+        self._in_step = False
+
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Raise :class:`UnevenStepsError` on every rank when the ranks would run different training step counts."""
+        self._in_step = False
+        if not self.check_training or trainer.world_size < 2:
+            return
+        uneven = self._compare_counts(trainer, [trainer.num_training_batches], "training steps")
+        if uneven is not None:
+            raise UnevenStepsError(
+                f"The ranks would run different numbers of training steps ({uneven}): DDP's gradient all-reduce needs"
+                " every rank at every step, so the ranks with more batches would wait forever. Give every rank the"
+                " same number of training batches (Lightning's default `DistributedSampler`, `drop_last=True`, or"
+                " `limit_train_batches`); `UnpaddedDistributedSampler` is for evaluation only."
+            )
+
+
+def _unpadded_sampler(dataloader: DataLoader[Any], shuffle: bool, trainer: Any) -> Any:
+    """This rank's unpadded sampler, made from what Lightning would give its own ``DistributedSampler``."""
+    kwargs = dict(trainer.distributed_sampler_kwargs)  # num_replicas and rank of the data-parallel group
+    seed = int(os.getenv("PL_GLOBAL_SEED", "0"))  # Lightning's own seed of its distributed samplers
+    if isinstance(dataloader.sampler, (SequentialSampler, RandomSampler)):
+        return UnpaddedDistributedSampler(
+            dataloader.dataset,  # type: ignore[arg-type]
+            num_replicas=kwargs["num_replicas"],
+            rank=kwargs["rank"],
+            shuffle=shuffle,
+            seed=seed,
+        )
+    from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+
+    return UnrepeatedDistributedSamplerWrapper(dataloader.sampler, shuffle=shuffle, seed=seed, **kwargs)

@@ -1,0 +1,75 @@
+"""The process group to sync metrics over in a multi-dimensional parallel job (a ``DeviceMesh``)."""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["mesh_group"]
+
+# Groups made for several mesh dimensions, per mesh and dimensions: making one is a collective of the whole world,
+# so it is done once and every later call (on every rank alike) returns the same group.
+_FLATTENED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
+
+
+def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
+    """Return the process group that joins this rank with the ranks of the same mesh slice along ``dims``.
+
+    Pass it as ``process_group=`` to a metric. Name the dimensions whose ranks hold *different* samples (or tokens)
+    and leave out those whose ranks hold copies of the same ones, so that each sample is counted once:
+
+    * data parallel, FSDP, ZeRO (``("dp",)`` or the whole world): every rank has its own samples;
+    * FSDP or DDP with tensor parallelism, mesh ``("dp", "tp")``: sync over ``"dp"``; the ``"tp"`` ranks of a slice
+      hold the same batch (and the same outputs once gathered), so syncing over them would count it ``tp`` times;
+    * HSDP, mesh ``("replicate", "shard")`` (plus ``"tp"``): sync over ``("replicate", "shard")``;
+    * data with context (sequence) parallelism, mesh ``("dp", "cp")`` (plus ``"tp"``): sync token-level states over
+      ``("dp", "cp")``: the ``"cp"`` ranks hold different tokens of the same sequences. Per-sample metrics that need
+      whole sequences must gather the sequence over ``"cp"`` first and then sync over ``"dp"`` only;
+    * pipeline parallelism: compute metrics on the last stage and sync over its data-parallel dimension.
+
+    One dimension gives the mesh's own group (``mesh.get_group(dim)``). Several dimensions give a group of their
+    own, made on the first call for that mesh and those dimensions: that first call is a collective of the whole
+    world (every rank must make it, in the same order), later ones return the same group at no cost.
+
+    Args:
+        mesh: a :class:`torch.distributed.device_mesh.DeviceMesh` with ``mesh_dim_names``.
+        dims: the name of one mesh dimension, or several names.
+
+    Returns:
+        The process group of this rank's slice along ``dims``.
+
+    Raises:
+        ValueError: ``mesh`` has no dimension names, a name is not one of them, or a name is repeated.
+
+    Example:
+        Without a process group only the argument checks run; see the "Frameworks" docs page for a job on a mesh:
+
+        >>> from torchmetrics_varlen import mesh_group
+        >>> mesh_group(object(), "dp")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `mesh` to be a DeviceMesh with `mesh_dim_names` but got object
+    """
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or not hasattr(mesh, "get_group"):
+        raise ValueError(f"Expected `mesh` to be a DeviceMesh with `mesh_dim_names` but got {type(mesh).__name__}")
+    wanted = (dims,) if isinstance(dims, str) else tuple(dims)
+    unknown = [name for name in wanted if name not in names]
+    if not wanted or unknown or len(set(wanted)) != len(wanted):
+        raise ValueError(
+            f"Expected `dims` to be distinct names among the mesh's dimensions {tuple(names)} but got {dims!r}"
+        )
+    if len(wanted) == 1:
+        return mesh.get_group(wanted[0])
+    key = (id(mesh), wanted)
+    cached = _FLATTENED.get(key)
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
+    # Ranks of every slice along `wanted`: the other dimensions first, the wanted ones last, flattened into rows.
+    axes = [i for i, name in enumerate(names) if name not in wanted] + [names.index(name) for name in wanted]
+    size = math.prod(mesh.mesh.shape[names.index(name)] for name in wanted)
+    slices = mesh.mesh.permute(axes).reshape(-1, size).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(slices)  # type: ignore[no-untyped-call]
+    _FLATTENED[key] = (mesh, group)
+    return group
