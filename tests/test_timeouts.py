@@ -11,7 +11,7 @@ from _metrics import Total
 from conftest import run_distributed
 from torchmetrics.aggregation import SumMetric
 
-from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _policy, _transport, rebase
+from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, _notes, _policy, _transport, rebase
 
 
 class Count(Metric):
@@ -116,16 +116,16 @@ def test_different_metrics_raise_mismatch_on_every_rank(world_size):
 
 def body_store_notes(rank, world_size):
     """The private store access works, and a quick sync never touches the store."""
-    reachable = _transport._store() is not None
+    reachable = _notes.store() is not None
     calls = []
-    original = _transport._store
-    _transport._store = lambda: calls.append(1) or original()
+    original = _notes.store
+    _notes.store = lambda: calls.append(1) or original()
     try:
         metric = Total(sync_timeout=30)
         metric.update(torch.ones(2))
         value = metric.compute().item()
     finally:
-        _transport._store = original
+        _notes.store = original
     return {"reachable": reachable, "store_calls": len(calls), "value": value}
 
 
@@ -138,7 +138,8 @@ def test_store_is_reachable_and_quick_syncs_do_not_touch_it():
 def test_invalid_timeout_values_are_rejected():
     with pytest.raises(ValueError, match="sync_timeout"):
         Total(sync_timeout="soon")
-    assert Total(sync_timeout=0).sync_timeout is None
+    assert Total(sync_timeout=0).sync_timeout == 0.0  # no timer of ours: the backend's own timeout acts
+    assert Total().sync_timeout is None  # the process group's own timeout, read at each sync
     assert Total(sync_timeout=5).sync_timeout == 5.0
 
 

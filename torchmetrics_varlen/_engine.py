@@ -105,6 +105,8 @@ def run(
     policy = _policy.policy_for(group, like)
     what = f"sync of {label}"
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
+    # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
+    flags |= _protocol.REDUCE_FLAGS[policy.reduce]
     record = _protocol.describe(entries, context, label, flags, aux, inline)
     table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
@@ -258,6 +260,7 @@ class _DifferentiableStep(torch.autograd.Function):
                 step.wait,
                 step.timeout,
                 f"backward of the {step.what}",
+                step.device.type,
             )
         own = _own_sections(flat, ctx.sections, step)
         input_grads: list[Tensor | None] = []

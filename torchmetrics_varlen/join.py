@@ -25,6 +25,7 @@ instead of waiting out ``sync_timeout``; every shadow exchange and the final "te
 metric's ``sync_timeout``.
 """
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from torchmetrics_varlen import _engine, _policy, _protocol
+from torchmetrics_varlen import _engine, _notes, _policy, _protocol
 from torchmetrics_varlen._state_sync import run_layout, sync_layout
 
 if TYPE_CHECKING:
@@ -409,6 +410,9 @@ class _MetricJoin:
         self.join_kwargs = join_kwargs
         self._join: Join | None = None
         self._group: _JoinedGroup | None = None
+        # While inside, this rank is alive and runs its steps: a joined rank's shadow waiting for its next step sync
+        # (a rank-0 checkpoint save between steps) keeps waiting past `sync_timeout` (see _notes).
+        self._busy = contextlib.ExitStack()
 
     def __enter__(self) -> "_MetricJoin":
         if not (dist.is_available() and dist.is_initialized()):
@@ -421,6 +425,7 @@ class _MetricJoin:
             )
         self._group = _JoinedGroup(self.model, self.metrics)
         try:
+            self._busy.enter_context(_notes.busy("it runs its steps inside `join`"))
             self._join = Join([self._group], **self.join_kwargs)
             for metric in self.metrics:  # Join(enable=False) shadows nothing: syncs stay on the metric's group
                 metric._join_active = bool(self.join_kwargs.get("enable", True))
@@ -460,6 +465,7 @@ class _MetricJoin:
         return [err for hook in self._metric_hooks() for err in hook.errors]
 
     def _leave(self) -> None:
+        self._busy.close()
         for metric in self.metrics:
             metric._join_active = False
             metric._join_config = metric._join_config._replace(enable=False)
