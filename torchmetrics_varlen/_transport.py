@@ -144,12 +144,20 @@ def _finish(
     try:
         done = wait_for(work, limits.ours, write_note, NOTE_AFTER, mode=wait)
         found = None
+        recent: set[int] = set()  # the peers that were busy at the last look
         while not done:  # our timeout expired: keep waiting while every peer that has not arrived is alive and busy
             store = noted[0] if noted else _notes.store()
             found = _notes.where_peers_are(store, group, _note(group, what))
             left = limits.bound - (time.monotonic() - start)
             if found is None or left <= 0:
                 break
+            if found["missing"] and {rank for _, rank, _ in found["missing"]} <= recent:
+                # Peers that just left their busy scope are on their way here (a rank notes where it waits only
+                # after NOTE_AFTER): one more look, once.
+                recent = set()
+                done = wait_for(work, min(NOTE_AFTER + CHECK_BUSY, left), mode=wait)
+                continue
+            recent = {rank for _, rank, _ in found["busy"]}
             state = _watch_busy(found, store, work, wait, min(CHECK_BUSY, left))
             if state == "stop":
                 break
