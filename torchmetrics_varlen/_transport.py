@@ -113,6 +113,11 @@ def _limits(timeout: float | None, group: ProcessGroup | None, wait: str, device
     group_s = state.group_seconds.get(device_type)
     if group_s is None:
         group_s = state.group_seconds[device_type] = group_timeout(group, device_type)
+    return limits_for(timeout, group_s, wait)
+
+
+def limits_for(timeout: float | None, group_s: float, wait: str) -> _Limits:
+    """How long to wait, for a ``sync_timeout`` of ``timeout`` on a group whose own timeout is ``group_s`` seconds."""
     bound = group_s - margin(group_s)
     if timeout == 0:  # no timer of ours: gloo's own timeout ends the wait; polling (NCCL) would never end: the bound
         return _Limits(None if wait == "block" else group_s, group_s, group_s, True)
