@@ -152,6 +152,8 @@ def busy(what: str) -> Generator[None, None, None]:
     with _BUSY_LOCK:
         _BUSY.append(what)
         write(store_, "busy", what)
+        # Not waiting at any sync now: a note left by a sync that raised would make this rank look stuck there.
+        write(store_, "waiting", "")
         if not _BEATER:
             stop = threading.Event()
             thread = threading.Thread(target=_beat, args=(store_, rank, stop), name="torchmetrics-varlen-beat")
@@ -174,6 +176,7 @@ def busy(what: str) -> Generator[None, None, None]:
 
 # ---------------------------------------------------------------------------------------------------- exit notes
 _EXIT_ARMED: list[Any] = []  # the stores an exit note is armed for (a job may re-initialise its process group)
+_ARMED_WORLD: list[Any] = []  # the default group that was current when the note was last armed
 
 
 def arm_exit_note() -> None:
@@ -182,8 +185,15 @@ def arm_exit_note() -> None:
     The store and rank are captured now: by exit time the process group may be destroyed, but a peer still waiting
     can read the store (it lives on as long as its host process does).
     """
-    store_ = store()
-    if store_ is None or any(armed is store_ for armed in _EXIT_ARMED):
+    world = dist.group.WORLD
+    if _ARMED_WORLD and _ARMED_WORLD[0] is world:  # every sync calls this: the common case costs one comparison
+        return
+    _ARMED_WORLD[:] = [world]
+    try:  # the store object only, no traffic: arming costs a quick sync nothing
+        store_ = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    if any(armed is store_ for armed in _EXIT_ARMED):
         return
     _EXIT_ARMED.append(store_)
     atexit.register(_write_exit, store_, dist.get_rank())
