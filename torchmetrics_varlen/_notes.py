@@ -21,6 +21,7 @@ no ranks and nothing waits longer than the timeout. Nothing here runs on a sync 
 import atexit
 import contextlib
 import threading
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -186,9 +187,10 @@ def arm_exit_note() -> None:
     can read the store (it lives on as long as its host process does).
     """
     world = dist.group.WORLD
-    if _ARMED_WORLD and _ARMED_WORLD[0] is world:  # every sync calls this: the common case costs one comparison
+    if _ARMED_WORLD and _ARMED_WORLD[0]() is world:  # every sync calls this: the common case costs one comparison
         return
-    _ARMED_WORLD[:] = [world]
+    # Weakly: a reference would keep a destroyed group's connections open, and its peers blocked in it.
+    _ARMED_WORLD[:] = [weakref.ref(world)]
     try:  # the store object only, no traffic: arming costs a quick sync nothing
         store_ = dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
