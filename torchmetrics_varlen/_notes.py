@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits
-BEAT = 0.5  # seconds between heartbeats of a busy process
+BEAT = 2.0  # seconds between heartbeats of a busy process: one store increment each, per busy process
 _PREFIX = "torchmetrics_varlen"
 
 

@@ -46,7 +46,7 @@ __all__ = ["NOTE_AFTER"]
 # Our timeout fires this much before the group's own (at most 10 s, at least 0.5 s): on NCCL the watchdog ends the
 # process at the group's timeout, so a rank must raise its clear error before then.
 MARGIN_SHARE, MARGIN_MIN, MARGIN_MAX = 0.05, 0.5, 10.0
-CHECK_BUSY = 2.0  # seconds between two looks at a busy peer's heartbeat (four beats)
+CHECK_BUSY = 5.0  # seconds between two looks at a busy peer's heartbeat (two beats and a half)
 EXIT_GRACE = 1.0  # seconds a rank whose peer closed its connection looks for that peer's exit note
 _BACKEND_TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
 
