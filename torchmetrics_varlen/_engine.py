@@ -115,6 +115,8 @@ def run(
     policy = _policy.policy_for(group, device, local)
     what = f"sync of {label}"
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
+    # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
+    flags |= _protocol.REDUCE_FLAGS[policy.reduce]
     record = _protocol.describe(entries, context, label, flags, aux, inline)
     table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
@@ -272,6 +274,7 @@ class _DifferentiableStep(torch.autograd.Function):
                 step.policy.grad_wait or step.policy.wait,  # "stream" on NCCL: no CPU polling on autograd's thread
                 step.timeout,
                 f"backward of the {step.what}",
+                step.policy.device.type,
             )
         own = _own_sections(flat, ctx.sections, step)
         input_grads: list[Tensor | None] = []

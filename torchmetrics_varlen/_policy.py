@@ -42,8 +42,12 @@ Everything else in the package is backend-agnostic. The decisions, and why:
     timeout), so the autograd thread is not blocked in CPU polling and DDP's overlap is kept. There is no timeout of
     ours there: a rank that never runs its backward is NCCL's watchdog's to report, at the group's timeout.
 
-  Nothing here ever aborts a communicator. A sleep asks the OS for tens of microseconds and gets 100-200 on a busy
-  machine, which is why gloo blocks instead of sleeping.
+  Nothing here aborts a communicator because a rank is late: no timed wait ever runs on NCCL, and our timer only
+  stops waiting. Once the backend itself failed a work (its own group timeout, a crashed peer), the untimed ``wait()``
+  runs the backend's error handling, which on NCCL may abort the communicator and end the process (the watchdog
+  does so at the group's timeout anyway); that is why our timeout is capped below the group's (see ``_transport``).
+  A sleep asks the OS for tens of microseconds and gets 100-200 on a busy machine, which is why gloo blocks instead of
+  sleeping.
 * **Data path.** The padded equal-size gather (``all_gather_into_tensor``) on every backend, and ``all_reduce`` for
   the dense states the plan routes there. NCCL's list ``all_gather`` with unequal sizes is not used: it could not be
   run where this package is tested.

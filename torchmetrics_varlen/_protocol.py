@@ -48,6 +48,11 @@ HEADER_LEN = H_WORDS + 1
 FLAG_GRAD = 2  # a local state carries a rank-local autograd graph: gather everything, as stock does, to keep it
 FLAG_DIFF = 4  # a differentiable sync (``sync_grads=True`` in grad mode): every rank must agree
 FLAG_INLINE = 8  # the record carries this rank's data after its slots (see ``_inline_words``)
+# TORCHMETRICS_VARLEN_REDUCE of the sending rank ("auto" sends neither): the plan's routes follow it, so every rank
+# must have the same (check_headers).
+FLAG_REDUCE_NEVER, FLAG_REDUCE_ALWAYS = 16, 32
+REDUCE_FLAGS = {"auto": 0, "never": FLAG_REDUCE_NEVER, "always": FLAG_REDUCE_ALWAYS}
+_REDUCE_MASK = FLAG_REDUCE_NEVER | FLAG_REDUCE_ALWAYS
 # A sync of a few small dense states (sums, counts) carries the data in the records themselves: when every rank did
 # so and every state is dense, the metadata exchange is the whole sync, one collective.
 INLINE_MAX_BYTES = 256
@@ -365,6 +370,16 @@ def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None =
             f"{what}: ranks {diff.nonzero().flatten().tolist()} run a differentiable sync (`sync_grads=True` in grad"
             " mode) and the others do not; the backward pass would wait for them. Run the same code on every rank"
             " (same `sync_grads`, same `torch.no_grad()` context).\n" + rank_lines(table)
+        )
+    modes = table[:, H_FLAGS] & _REDUCE_MASK
+    if not bool((modes == modes[:1]).all()):
+        mode_names = {flag: mode for mode, flag in REDUCE_FLAGS.items()}
+        per_rank = ", ".join(
+            f"rank {rank}: {mode_names.get(int(mode), '?')!r}" for rank, mode in enumerate(modes.tolist())
+        )
+        raise SyncMismatchError(
+            f"{what}: the ranks run with different `TORCHMETRICS_VARLEN_REDUCE` settings ({per_rank}); they would move"
+            " the states by different collectives. Set the same value (or none) in every rank's environment."
         )
     failing = (table[:, H_ERROR] != ERR_NONE).nonzero().flatten().tolist()
     if failing:

@@ -4,35 +4,51 @@ Each is started asynchronously and waited for through :func:`torchmetrics_varlen
 gloo, polling elsewhere: see :mod:`torchmetrics_varlen._policy`), so every collective of the package has the same
 timeout behaviour on every backend:
 
-* a rank late by less than the sync timeout never causes an error;
+* the timeout is ``sync_timeout``, by default the process group's own timeout (what ``init_process_group`` or
+  ``new_group`` was given; NCCL's default is 10 minutes, other backends' 30), and never more than that;
+* a rank late by less than the timeout never causes an error, and neither does one that is alive and busy (computing
+  in ``compute_on_rank``, running its steps inside ``join``): the waiting ranks keep waiting for it up to the group's
+  timeout (see :mod:`torchmetrics_varlen._notes`);
 * a rank that never arrives makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncTimeoutError` naming it
-  (where the store can tell), and the collective stays pending (nothing aborts the process group);
-* a peer that crashed or closed its connection makes them raise :class:`~torchmetrics_varlen.SyncPeerError` with the
-  backend's error.
+  (where the store can tell), and the collective stays pending. When the backend's own timeout expired first (the
+  work failed with the backend's timeout), the error is the same ``SyncTimeoutError``, saying it was the group's;
+* a peer that exited normally (it ran fewer syncs) is named as such in a ``SyncTimeoutError``; a peer that crashed or
+  closed its connection makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncPeerError` with the backend's
+  error.
 
 Collectives are looked up on ``torch.distributed`` at call time, so tests can count them by wrapping those functions.
 """
 
 import array
+import datetime
 import os
+import re
 import threading
+import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _plan, _protocol
+from torchmetrics_varlen import _notes, _plan, _protocol
+from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_for
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
 
 TIMEOUT_ENV = "TORCHMETRICS_VARLEN_SYNC_TIMEOUT"
-DEFAULT_SYNC_TIMEOUT = 300.0
-NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits (see "who is waiting where" below)
+__all__ = ["NOTE_AFTER"]
+# Our timeout fires this much before the group's own (at most 10 s, at least 0.5 s): on NCCL the watchdog ends the
+# process at the group's timeout, so a rank must raise its clear error before then.
+MARGIN_SHARE, MARGIN_MIN, MARGIN_MAX = 0.05, 0.5, 10.0
+CHECK_BUSY = 5.0  # seconds between two looks at a busy peer's heartbeat (two beats and a half)
+EXIT_GRACE = 1.0  # seconds a rank whose peer closed its connection looks for that peer's exit note
+_BACKEND_TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
 
 
 def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
@@ -46,15 +62,68 @@ def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
 
 
 def default_timeout() -> float | None:
-    """Sync timeout in seconds: ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` if set (0: no timeout of ours), else 300."""
+    """``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` in seconds if set (0: no timeout of ours), else None: the group's own."""
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
-        return DEFAULT_SYNC_TIMEOUT
+        return None
     try:
         value = float(raw)
     except ValueError as err:
         raise ValueError(f"Expected `{TIMEOUT_ENV}` to be a number of seconds but got {raw!r}") from err
-    return value if value > 0 else None
+    return max(value, 0.0)
+
+
+def group_timeout(group: ProcessGroup | None, device_type: str) -> float:
+    """The timeout ``group`` was created with, in seconds, for its backend that serves ``device_type``.
+
+    ``init_process_group``/``new_group`` store it in the backend's options (``Backend.options._timeout``, private:
+    covered by a test, so a torch release that moves it fails there); where it cannot be read, torch's default for
+    groups that are not NCCL's (``torch.distributed.default_pg_timeout``).
+    """
+    pg: Any = group if group is not None else dist.group.WORLD
+    try:
+        value = pg._get_backend(torch.device(device_type)).options._timeout
+        return float(value.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        fallback: datetime.timedelta = dist.default_pg_timeout
+        return float(fallback.total_seconds())
+
+
+def margin(seconds: float) -> float:
+    """How much before the group's timeout ours fires."""
+    return min(max(seconds * MARGIN_SHARE, MARGIN_MIN), MARGIN_MAX, seconds / 2)
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """How long one collective is waited for.
+
+    ``ours``: our timer (None: none); ``bound``: how far busy peers extend the wait; ``from_group``: whether ``ours``
+    is the group's timeout (the default, or ``sync_timeout`` capped to it).
+    """
+
+    ours: float | None
+    bound: float
+    group_s: float
+    from_group: bool
+
+
+def _limits(timeout: float | None, group: ProcessGroup | None, wait: str, device_type: str) -> _Limits:
+    state = _state(group)
+    group_s = state.group_seconds.get(device_type)
+    if group_s is None:
+        group_s = state.group_seconds[device_type] = group_timeout(group, device_type)
+    return limits_for(timeout, group_s, wait)
+
+
+def limits_for(timeout: float | None, group_s: float, wait: str) -> _Limits:
+    """How long to wait, for a ``sync_timeout`` of ``timeout`` on a group whose own timeout is ``group_s`` seconds."""
+    bound = group_s - margin(group_s)
+    if timeout == 0:  # no timer of ours: gloo's own timeout ends the wait; polling (NCCL) would never end: the bound
+        return _Limits(None if wait == "block" else group_s, group_s, group_s, True)
+    if timeout is None or timeout >= bound:
+        return _Limits(bound, bound, group_s, True)
+    return _Limits(timeout, bound, group_s, False)
 
 
 def _finish(
@@ -63,25 +132,100 @@ def _finish(
     wait: str,
     timeout: float | None,
     what: str,
-    note: str | None = None,
+    device_type: str = "cpu",
 ) -> None:
-    """Wait for ``work`` the ``wait`` way (the policy's); raise SyncTimeoutError / SyncPeerError naming it."""
+    """Wait for ``work`` the ``wait`` way (the policy's); raise SyncTimeoutError / SyncPeerError naming it.
+
+    ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours).
+    """
+    limits = _limits(timeout, group, wait, device_type)
     noted: list[Any] = []  # the store, once this rank noted where it waits (a quick sync never touches it)
 
     def write_note() -> None:
-        noted.append(_store())
-        _set_note(noted[0], note)
+        noted.append(_notes.store())
+        _notes.write(noted[0], "waiting", _note(group, what))
 
+    start = time.monotonic()
     try:
-        done = wait_for(work, timeout, write_note if note is not None else None, NOTE_AFTER, mode=wait)
+        done = wait_for(work, limits.ours, write_note, NOTE_AFTER, mode=wait)
+        found = None
+        recent: set[int] = set()  # the peers that were busy at the last look
+        while not done:  # our timeout expired: keep waiting while every peer that has not arrived is alive and busy
+            store = noted[0] if noted else _notes.store()
+            found = _notes.where_peers_are(store, group, _note(group, what))
+            left = limits.bound - (time.monotonic() - start)
+            if found is None or left <= 0:
+                break
+            if found["missing"] and {rank for _, rank, _ in found["missing"]} <= recent:
+                # Peers that just left their busy scope are on their way here (a rank notes where it waits only
+                # after NOTE_AFTER): one more look, once.
+                recent = set()
+                done = wait_for(work, min(NOTE_AFTER + CHECK_BUSY, left), mode=wait)
+                continue
+            recent = {rank for _, rank, _ in found["busy"]}
+            state = _watch_busy(found, store, work, wait, min(CHECK_BUSY, left))
+            if state == "stop":
+                break
+            done = state == "done"
     except PeerFailedError as err:
-        raise SyncPeerError(_peer_message(what, group, str(err))) from err.__cause__
+        raise _failure(err, what, group, _note(group, what), limits, time.monotonic() - start) from err.__cause__
     if done and noted:
-        _set_note(noted[0], "")  # arrived: an old note must not describe this rank at a later timeout
+        _notes.write(noted[0], "waiting", "")  # arrived: an old note must not describe this rank at a later timeout
     if not done:  # the note stays: peers timing out at their own syncs read where this rank waits
-        assert timeout is not None
-        missing = _describe_missing(noted[0] if noted else _store(), group, note) if note is not None else ""
-        raise SyncTimeoutError(_timeout_message(what, timeout, group, missing))
+        waited = time.monotonic() - start
+        waited = limits.ours if limits.ours is not None and waited < limits.ours + CHECK_BUSY else waited
+        source = "the process group's own timeout" if limits.from_group else "`sync_timeout`"
+        raise SyncTimeoutError(_timeout_message(what, waited, source, limits, group, _notes.describe(found)))
+
+
+def _watch_busy(found: dict[str, Any], store: Any, work: Any, wait: str, window: float) -> str:
+    """Whether to keep waiting for peers that are busy: "alive", "done" or "stop".
+
+    "alive" when every peer that has not arrived is busy and its heartbeat moved within ``window`` seconds (spent
+    waiting for ``work``: "done" if it completed meanwhile), else "stop" (busy peers whose beat stopped are moved to
+    ``found["missing"]``).
+    """
+    if not found["busy"] or found["missing"] or found["elsewhere"] or found["exited"]:
+        return "stop"
+    ranks = [rank for _, rank, _ in found["busy"]]
+    try:
+        before = _notes.beats(store, ranks)
+        if wait_for(work, window, mode=wait):
+            return "done"
+        after = _notes.beats(store, ranks)
+    except RuntimeError:
+        return "stop"
+    stale = [entry for entry, old, new in zip(found["busy"], before, after) if new <= old]
+    if not stale:
+        return "alive"
+    found["busy"] = [entry for entry in found["busy"] if entry not in stale]
+    found["missing"] += [
+        (f"{name} (it noted it was busy, but its heartbeat stopped)", rank, "") for name, rank, _ in stale
+    ]
+    return "stop"
+
+
+def _failure(
+    err: PeerFailedError, what: str, group: ProcessGroup | None, note: str, limits: _Limits, waited: float
+) -> RuntimeError:
+    """The error for a collective the backend failed: its own timeout, a peer's normal exit, or a peer's crash."""
+    message = str(err)
+    store = _notes.store()
+    found = _notes.where_peers_are(store, group, note)
+    deadline = time.monotonic() + EXIT_GRACE
+    # A peer that exits normally writes its note at interpreter exit, around when its connections close: look again
+    # for a moment before calling it a crash.
+    while found is not None and not found["exited"] and not _BACKEND_TIMEOUT.search(message):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+        found = _notes.where_peers_are(store, group, note)
+    if found is not None and found["exited"]:
+        return SyncTimeoutError(_exited_message(what, group, found))
+    if _BACKEND_TIMEOUT.search(message):
+        source = f"the process group's own timeout ({limits.group_s:g} s, enforced by the backend)"
+        return SyncTimeoutError(_timeout_message(what, waited, source, limits, group, _notes.describe(found)))
+    return SyncPeerError(_peer_message(what, group, message))
 
 
 def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> Any:
@@ -110,12 +254,16 @@ RECORD_WINDOW = 64
 
 @dataclass
 class _RecordLength:
-    """A group's agreed record length and what the current window of syncs needed (the same on all its ranks)."""
+    """A group's agreed record length and what the current window of syncs needed (the same on all its ranks).
+
+    Also the group's timeout per device type, read once.
+    """
 
     words: int = INITIAL_WORDS
     longest: int = 0  # the longest record of the current window
     left: int = RECORD_WINDOW  # syncs left in the window
     syncs: int = 0  # syncs of this group so far: numbers the "where I wait" notes
+    group_seconds: dict[str, float] = field(default_factory=dict)
 
     def next_sync(self) -> tuple[int, int]:
         """The length to send at, and the sync's number."""
@@ -131,8 +279,24 @@ class _RecordLength:
             self.words, self.longest, self.left = max(self.longest, MIN_WORDS), 0, RECORD_WINDOW
 
 
-_LENGTHS: dict[str, _RecordLength] = {}
+# Keyed by the group object, weakly: a group destroyed (``destroy_process_group()``) takes its state along, and a group
+# made afterwards starts fresh even where it gets the same name, as on its other ranks.
+_LENGTHS: "weakref.WeakKeyDictionary[Any, _RecordLength]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()  # the Join worker thread syncs on its own group while the main thread syncs on others
+
+
+def _state(group: ProcessGroup | None) -> _RecordLength:
+    pg = group if group is not None else dist.group.WORLD
+    with _LOCK:
+        state = _LENGTHS.get(pg)
+        if state is None:
+            state = _LENGTHS[pg] = _RecordLength()
+        return state
+
+
+def _note(group: ProcessGroup | None, what: str) -> str:
+    """This rank's "where I wait" note for a collective of the current sync of ``group`` (see _notes)."""
+    return f"{_group_tag(group)}|{_state(group).syncs}|{what}"
 
 
 def exchange_records(
@@ -142,19 +306,18 @@ def exchange_records(
 
     ``words`` is the group's agreed length: a record's own length is in its header (``H_WORDS``), zeros follow.
     """
-    tag = _group_tag(group)
+    _notes.arm_exit_note()
+    length = _state(group)
     with _LOCK:
-        length = _LENGTHS.setdefault(tag, _RecordLength())
-        words, number = length.next_sync()
-    note = f"{tag}|{number}|{what}"
-    table = _exchange_at(record, words, group, device, wait, timeout, what, note)
+        words, _ = length.next_sync()
+    table = _exchange_at(record, words, group, device, wait, timeout, what)
     # Every sync runs these checks: on a few words, Python lists are several times quicker than tensor operations.
     heads = table.numpy()
     magic = heads[:, _protocol.H_MAGIC].tolist()
     ours = magic.count(_protocol.MAGIC) == len(magic)  # else make_plan raises, naming the ranks
     needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
-        table = _exchange_at(record, needed, group, device, wait, timeout, what, note)
+        table = _exchange_at(record, needed, group, device, wait, timeout, what)
     with _LOCK:
         length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table  # at the agreed length: the plan reads each record's length from its header
@@ -168,7 +331,6 @@ def _exchange_at(
     wait: str,
     timeout: float | None,
     what: str,
-    note: str,
 ) -> Tensor:
     padded = array.array("q", record[:words])
     padded.frombytes(bytes(8 * (words - len(padded))))
@@ -176,7 +338,7 @@ def _exchange_at(
     local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
-    _finish(_gather_equal(table, local, group), group, wait, timeout, what, note)
+    _finish(_gather_equal(table, local, group), group, wait, timeout, what, device.type)
     table = table.view(world_size, words)
     return table if device.type == "cpu" else table.cpu()
 
@@ -186,7 +348,7 @@ def gather_rows(buffer: Tensor, group: ProcessGroup | None, wait: str, timeout: 
     """Every rank's ``uint8`` buffer (equal sizes) as a ``[world_size, bytes]`` tensor."""
     world_size = dist.get_world_size(group)
     output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
-    _finish(_gather_equal(output, buffer, group), group, wait, timeout, what)
+    _finish(_gather_equal(output, buffer, group), group, wait, timeout, what, buffer.device.type)
     return output.view(world_size, buffer.numel())
 
 
@@ -201,8 +363,9 @@ def all_reduce(
         dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
         for buffer, op in buffers
     ]
+    device_type = buffers[0][0].device.type if buffers else "cpu"
     for work in works:
-        _finish(work, group, wait, timeout, what)
+        _finish(work, group, wait, timeout, what, device_type)
 
 
 def _global_rank(group: Any, rank: int) -> int:
@@ -217,7 +380,7 @@ def gather_to_rank(buffer: Tensor, dst: int, group: Any, wait: str, timeout: flo
         output = torch.empty(dist.get_world_size(group), buffer.numel(), dtype=torch.uint8, device=buffer.device)
         rows = list(output.unbind(0))
     work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True)
-    _finish(work, group, wait, timeout, what)
+    _finish(work, group, wait, timeout, what, buffer.device.type)
     return output
 
 
@@ -228,43 +391,26 @@ def broadcast_bytes(
     rank = dist.get_rank(group)
     what = f"broadcast of the result from rank {src}"
     size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
-    _finish(dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True), group, wait, timeout, what)
+    work = dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True)
+    _finish(work, group, wait, timeout, what, device.type)
     if rank == src:
         assert data is not None
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     work = dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True)
-    _finish(work, group, wait, timeout, what)
+    _finish(work, group, wait, timeout, what, device.type)
     return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
 
 
-def run_collective(start: Callable[[], Any], group: Any, wait: str, timeout: float | None, what: str) -> None:
+def run_collective(
+    start: Callable[[], Any], group: Any, wait: str, timeout: float | None, what: str, device_type: str = "cpu"
+) -> None:
     """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other."""
-    _finish(start(), group, wait, timeout, what)
+    _finish(start(), group, wait, timeout, what, device_type)
 
 
-# ------------------------------------------------------------------------------ who is waiting where (timeouts)
-# A rank that has waited ``NOTE_AFTER`` seconds at a metadata exchange writes one key to the store every process group
-# has (the rendezvous store): "<group>|<sync number>|<what>", cleared again when the exchange ends. Syncs are numbered
-# per process group on each rank, so ranks that run the same syncs agree on the numbers. When a timeout expires, the
-# waiting rank reads every peer's key: the same group and number means "arrived"; another note means "waits at
-# another sync"; no note means the peer is not waiting at any sync of this package (it never got here, or its
-# compute() returned a cached value). The store is reached through a private function of torch.distributed (covered
-# by a test); without it, the error names no ranks. Nothing of this runs on a sync that completes within NOTE_AFTER.
-
-
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-
-
-def _note_key(global_rank: int) -> str:
-    return f"torchmetrics_varlen/waiting/{global_rank}"
-
-
+# ------------------------------------------------------------------------------------------------------ messages
 def _group_tag(group: ProcessGroup | None) -> str:
     """A name of ``group`` equal on all its ranks (groups are named in creation order)."""
     pg = group if group is not None else dist.group.WORLD
@@ -272,66 +418,35 @@ def _group_tag(group: ProcessGroup | None) -> str:
     return str(name) if name else ",".join(map(str, dist.get_process_group_ranks(pg)))
 
 
-def _set_note(store: Any, note: str | None) -> None:
-    if store is None or note is None:
-        return
-    try:
-        store.set(_note_key(dist.get_rank()), note)
-    except RuntimeError:  # a store that went away must not hide the real problem
-        pass
-
-
-def _peers(group: ProcessGroup | None) -> list[tuple[str, int]]:
-    """``(name, global rank)`` of every other rank of ``group``."""
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    me = dist.get_rank()
-    return [
-        (str(local) if local == glob else f"{local} (global rank {glob})", glob)
-        for local, glob in enumerate(ranks)
-        if glob != me
-    ]
-
-
-def _describe_missing(store: Any, group: ProcessGroup | None, note: str) -> str:
-    """Where the other ranks of ``group`` are, from their notes; empty when the store cannot be read."""
-    if store is None:
-        return ""
-    tag, number, _ = note.split("|", 2)
-    missing: list[str] = []
-    elsewhere: list[str] = []
-    try:
-        for name, global_rank in _peers(group):
-            key = _note_key(global_rank)
-            seen = store.get(key).decode(errors="replace") if store.check([key]) else ""
-            if not seen:
-                missing.append(name)
-                continue
-            seen_tag, seen_number, seen_what = seen.split("|", 2)
-            if (seen_tag, seen_number) != (tag, number):
-                elsewhere.append(f"Rank {name} waits at another sync: {seen_what} (process group {seen_tag}).")
-    except (RuntimeError, ValueError):
-        return ""
-    parts = [f"Missing: ranks [{', '.join(missing)}] are not waiting at any torchmetrics_varlen sync."]
-    parts = (parts if missing else []) + elsewhere
-    if not parts:
-        parts.append(
-            "Every rank waits at this sync, yet the exchange did not complete (a collective left pending by an"
-            " earlier error pairs with it?)."
-        )
-    return " ".join(parts)
-
-
-def _timeout_message(what: str, timeout: float, group: ProcessGroup | None, missing: str = "") -> str:
+def _timeout_message(
+    what: str, waited: float, source: str, limits: _Limits, group: ProcessGroup | None, missing: str = ""
+) -> str:
     rank = dist.get_rank(group)
+    raise_it = (
+        "" if limits.from_group else f" (the process group's own timeout is {limits.group_s:g} s)"
+    ) + " Raise the process group's timeout (`init_process_group(timeout=...)`) where a rank legitimately needs longer."
     return (
-        f"{what}: rank {rank} waited {timeout:g} s for the other ranks to arrive at this sync; at least one never did."
+        f"{what}: rank {rank} waited {waited:.3g} s ({source}) for the other ranks to arrive at this sync; at least"
+        " one never did."
         + (f" {missing}" if missing else "")
         + " Usual causes: ranks that run different numbers of steps (uneven data outside a `Join`: see"
         " `torchmetrics_varlen.join`),"
         " `compute()` / `self.log(...)` called on rank 0 only (for example inside `if trainer.is_global_zero:`), or"
         " `compute()` called again after an `update()` on this rank only (the other ranks returned their cached"
         " value without syncing): every rank must run the same syncs in the same order. The process group now has a"
-        " pending collective and should not be used for anything else."
+        " pending collective and should not be used for anything else." + raise_it
+    )
+
+
+def _exited_message(what: str, group: ProcessGroup | None, found: dict[str, Any]) -> str:
+    rank = dist.get_rank(group)
+    names = ", ".join(name for name, _, _ in found["exited"])
+    return (
+        f"{what}: rank {rank} waited at this sync while ranks [{names}] exited normally (their processes ended"
+        " without an error: nothing crashed). They ran fewer syncs than this rank: usually `compute()` or"
+        " `self.log(...)` ran on some ranks only (for example inside `if trainer.is_global_zero:`, with"
+        " `num_sanity_val_steps=0`), or the ranks ran different numbers of steps. Every rank must run the same syncs in"
+        " the same order; the process group cannot be used any more."
     )
 
 

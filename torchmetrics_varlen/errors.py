@@ -27,12 +27,15 @@ class SyncMismatchError(RuntimeError):
 
 
 class SyncTimeoutError(RuntimeError):
-    """Some ranks did not arrive at a sync within the sync timeout.
+    """Some ranks did not arrive at a sync within the sync timeout, or ended their process without it.
 
-    Raised on the ranks that did arrive. The message names the missing ranks where the backend can tell, and the usual
-    causes: ranks that run different numbers of steps, or ``compute()`` / ``self.log`` called on rank 0 only. After this
-    error the process group still has a pending collective and cannot be trusted: end the job, or let the late ranks
-    arrive.
+    Raised on the ranks that did arrive, after ``sync_timeout`` (by default the process group's own timeout), also when
+    the backend's own timeout failed the collective first, and when a peer exited normally (it ran fewer syncs). The
+    message names the missing or exited ranks where the store can tell, whose timeout expired, and the usual causes:
+    ranks that run different numbers of steps, or ``compute()`` / ``self.log`` called on rank 0 only. A peer that is
+    alive and busy (computing in ``compute_on_rank``, running steps inside ``join``) is waited for up to the group's
+    timeout instead. After this error the process group still has a pending collective and cannot be trusted: end
+    the job, or let the late ranks arrive.
 
     Example:
         >>> from torchmetrics_varlen import SyncTimeoutError
@@ -42,7 +45,7 @@ class SyncTimeoutError(RuntimeError):
 
 
 class SyncPeerError(RuntimeError):
-    """Another rank crashed or closed its connection while this rank was in a sync.
+    """Another rank crashed or closed its connection while this rank was in a sync (and left no exit note).
 
     Raised on the ranks that are still alive, with the backend's own error as the cause (``__cause__``), instead of
     reporting the dead rank as merely late. The metric's local states are left as they were before the sync. The

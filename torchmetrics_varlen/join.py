@@ -27,6 +27,7 @@ instead of waiting out ``sync_timeout``; every shadow exchange and the final "te
 metric's ``sync_timeout``.
 """
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from torchmetrics_varlen import _join_shadow, _policy
+from torchmetrics_varlen import _join_shadow, _notes, _policy
 from torchmetrics_varlen._join_shadow import JoinShadowError
 from torchmetrics_varlen._state_sync import StateDict
 
@@ -431,6 +432,9 @@ class _MetricJoin:
         self.join_kwargs = join_kwargs
         self._join: Join | None = None
         self._group: _JoinedGroup | None = None
+        # While inside, this rank is alive and runs its steps: a joined rank's shadow waiting for its next step sync
+        # (a rank-0 checkpoint save between steps) keeps waiting past `sync_timeout` (see _notes).
+        self._busy = contextlib.ExitStack()
 
     def __enter__(self) -> "_MetricJoin":
         if not (dist.is_available() and dist.is_initialized()):
@@ -443,6 +447,7 @@ class _MetricJoin:
             )
         self._group = _JoinedGroup(self.model, self.metrics)
         try:
+            self._busy.enter_context(_notes.busy("it runs its steps inside `join`"))
             self._join = Join([self._group], **self.join_kwargs)
         except BaseException:
             self._leave()
@@ -481,5 +486,6 @@ class _MetricJoin:
         session = self._session()
         if session is not None:
             session.detach()
+        self._busy.close()
         for metric in self.metrics:
             metric._join_config = metric._join_config._replace(enable=False)

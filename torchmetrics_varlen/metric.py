@@ -31,12 +31,15 @@ def is_coalescing_sync_fn(fn: Callable[..., Any] | None) -> bool:
 
 
 def resolve_timeout(sync_timeout: float | None) -> float | None:
-    """Constructor value, else ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT``, else the default; 0 or less disables it."""
+    """Constructor value, else ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT``, else None: the process group's own timeout.
+
+    0 or less becomes 0.0: no timer of ours (the backend's own timeout ends the wait; see "Where it runs").
+    """
     if sync_timeout is None:
         return _transport.default_timeout()
     if isinstance(sync_timeout, bool) or not isinstance(sync_timeout, (int, float)):
         raise ValueError(f"Expected `sync_timeout` to be a number of seconds or None but got {sync_timeout!r}")
-    return float(sync_timeout) if sync_timeout > 0 else None
+    return float(sync_timeout) if sync_timeout > 0 else 0.0
 
 
 def local_state_copy(metric: StockMetric) -> StateDict:
@@ -77,8 +80,10 @@ class Metric(StockMetric, JoinableMetric):
 
     Args:
         sync_timeout: seconds to wait for the other ranks at a sync before raising ``SyncTimeoutError``. None takes
-            ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` from the environment, else 300; 0 waits as long as the process
-            group's own timeout.
+            ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` from the environment, else the process group's own timeout (the
+            ``timeout`` it was created with); never longer than that. A peer that is alive and busy (computing in
+            ``compute_on_rank``, running steps inside ``join``) is waited for up to the group's timeout. 0 sets no
+            timer of ours: the backend's own timeout ends the wait.
         sync_grads: gather states differentiably across ranks, so gradients reach every rank's inputs (see the
             "Metrics as losses" docs page). Every rank must then run the backward pass.
         kwargs: the keyword arguments of :class:`torchmetrics.Metric` (``dist_sync_on_step``, ``process_group``, ...).

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _engine, _policy, _transport
+from torchmetrics_varlen import _engine, _notes, _policy, _transport
 from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, state_label, sync_layout
 from torchmetrics_varlen.metric import Metric
 
@@ -114,7 +114,10 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     layout = sync_layout([metric], phase)
     synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
     assert synced is not None  # no `stop` given
-    outcome = _compute_here(metric, layout, synced) if rank == dst else None
+    outcome = None
+    if rank == dst:  # the others wait at the broadcast meanwhile: tell them this rank is alive and busy, not missing
+        with _notes.busy(f"it computes {label} (`compute_on_rank`)"):
+            outcome = _compute_here(metric, layout, synced)
     # The broadcast's backend and device come from the metric's device, like the gather's: never from the states
     # (a rank whose list states are empty would pick another backend of a "cpu:gloo,cuda:nccl" group).
     policy = _policy.policy_for(group, layout.device, _engine.first_device(layout.entries))

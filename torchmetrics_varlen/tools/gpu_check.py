@@ -38,7 +38,12 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen.tools import _gpu_device_scenarios, _gpu_join_scenarios, _gpu_scenarios
+from torchmetrics_varlen.tools import (
+    _gpu_device_scenarios,
+    _gpu_join_scenarios,
+    _gpu_scenarios,
+    _gpu_timeout_scenarios,
+)
 from torchmetrics_varlen.tools._gpu_scenarios import Ctx, NoteError, Scenario, SkipError
 
 __all__ = ["NO_GPU_MESSAGE", "SCENARIOS", "Scenario", "main"]
@@ -51,7 +56,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     *_gpu_device_scenarios.SCENARIOS,  # issue 20, items 2-4: backend, device, autograd thread, stream
     *_gpu_join_scenarios.SCENARIOS,  # issue 20, item 1 and 7: Join with states on the device, the group switch
     *(scenario for scenario in _gpu_scenarios.SCENARIOS if scenario.name in _TIMEOUTS),
-    # (the timeout scenarios of issue 20 go here)
+    *_gpu_timeout_scenarios.SCENARIOS,  # issue 20, items 5 and 6: group timeouts, blocking wait, a busy peer
 )
 
 NO_GPU_MESSAGE = (
