@@ -63,6 +63,9 @@ def test_list_prints_every_scenario_without_gpu_or_torchrun(capsys, monkeypatch)
     # issue 20's scenarios about where a sync runs
     assert {"two-backend-empty-rank", "device-id-no-set-device", "sync-grads-cpu-states"} <= names
     assert {"sync-grads-cuda-states", "sync-in-cuda-stream"} <= names
+    # issue 20's Join and timeout scenarios
+    assert {"join-device-states", "join-plain-metrics-first", "join-metrics-alone"} <= names
+    assert {"timeout-group-shorter", "timeout-group-longer", "timeout-blocking-wait", "busy-compute-on-rank"} <= names
     # the scenarios that leave a collective pending on the job's group come last
     assert [line.split()[0] for line in lines][-2:] == ["missing-rank", "group-after-timeout"]
 

@@ -59,3 +59,14 @@ def test_runtime_modules_never_import_the_tools():
     for path in PACKAGE.glob("*.py"):
         if path.stem != "__main__":
             assert "tools" not in _top_level_imports(path, modules), path.name
+
+
+def test_header_flags_are_distinct_bits():
+    # Two features once picked the same header bit (the Join worker's record and the reduce mode): every flag is
+    # defined in _protocol, one bit each.
+    from torchmetrics_varlen import _join_shadow, _protocol
+
+    flags = {name: value for name, value in vars(_protocol).items() if name.startswith("FLAG_")}
+    assert all(value > 0 and value & (value - 1) == 0 for value in flags.values()), flags
+    assert len(set(flags.values())) == len(flags), flags
+    assert _join_shadow.FLAG_SHADOW in flags.values()
