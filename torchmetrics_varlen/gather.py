@@ -54,6 +54,10 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     * Element ``rank`` of the result is ``result`` itself, so its autograd graph (rank-local) is kept; the other
       elements carry no graph. With ``sync_grads=True`` every element is differentiable and the backward pass sends
       each rank the gradient of its own samples, summed over all ranks (see the "Metrics as losses" docs page).
+    * Torchmetrics decides how often the hook runs: once per tensor, so once per item of a list state with
+      ``dist_reduce_fx=None`` and never for such a list when it is empty. Ranks with different numbers of items make
+      different numbers of calls, which no hook can repair: the ranks waiting in the hook raise
+      :class:`~torchmetrics_varlen.SyncTimeoutError` naming this case. Use :func:`~torchmetrics_varlen.rebase` there.
 
     Args:
         result: this rank's tensor.
