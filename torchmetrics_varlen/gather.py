@@ -24,7 +24,7 @@ HOOK_LIMIT = (
     " This sync is the `gather_all_tensors` hook, which torchmetrics calls once per tensor: for a list state with"
     " `dist_reduce_fx=None` (the `indexes`, `preds` and `target` of the retrieval metrics, for example) once per list"
     " item, and not at all on a rank whose list is empty, so a rank without data (or with fewer `update()` calls)"
-    " never arrives and usually raises on its own (\"No samples to concatenate\"). No hook can change that: use"
+    ' never arrives and usually raises on its own ("No samples to concatenate"). No hook can change that: use'
     " `torchmetrics_varlen.rebase(<the metric class>)`, which syncs every state in one exchange whatever each rank"
     " holds."
 )
