@@ -39,7 +39,7 @@ from torchmetrics_varlen._state_sync import (
 
 TERMINATE = _protocol.context_hash("torchmetrics_varlen.join.terminate")
 FAILED = _protocol.context_hash("torchmetrics_varlen.join.failed")
-FLAG_SHADOW = 16  # the record of a joined rank's worker: an empty batch of the metric it expects
+FLAG_SHADOW = _protocol.FLAG_SHADOW  # the record of a joined rank's worker: an empty batch of the metric it expects
 GO, RETRY, END, FAIL = "go", "retry", "end", "fail"
 
 

@@ -53,6 +53,7 @@ FLAG_INLINE = 8  # the record carries this rank's data after its slots (see ``_i
 FLAG_REDUCE_NEVER, FLAG_REDUCE_ALWAYS = 16, 32
 REDUCE_FLAGS = {"auto": 0, "never": FLAG_REDUCE_NEVER, "always": FLAG_REDUCE_ALWAYS}
 _REDUCE_MASK = FLAG_REDUCE_NEVER | FLAG_REDUCE_ALWAYS
+FLAG_SHADOW = 64  # the record of a joined rank's Join worker (see _join_shadow): every flag has a bit of its own
 # A sync of a few small dense states (sums, counts) carries the data in the records themselves: when every rank did
 # so and every state is dense, the metadata exchange is the whole sync, one collective.
 INLINE_MAX_BYTES = 256
