@@ -10,6 +10,7 @@ the truth or raises the error it promises.
 process group and skips the methods that would hang or abort the job.
 """
 
+import gc
 import os
 import sys
 import time
@@ -82,6 +83,9 @@ def run_under_torchrun(numbers: list[int]) -> bool:
         # the interpreter finalizes, such a thread is killed inside a C++ destructor and the process aborts with
         # "terminate called without an active exception" (SIGABRT) after printing its result. Destroying the groups
         # (every one: the world and the join side groups) joins those threads while the interpreter still runs.
+        # Objects in reference cycles (a DDP model's reducer, metrics) may still hold a group: collected first, so
+        # that destroying the groups really ends their threads.
+        gc.collect()
         dist.destroy_process_group()
 
 
