@@ -10,6 +10,7 @@ the others, so nothing hangs.
 
 import argparse
 import datetime
+import gc
 import os
 import tempfile
 
@@ -70,6 +71,7 @@ def _spawned(rank: int, world_size: int, steps: int, init_file: str) -> None:
     try:
         train(rank, world_size, steps)
     finally:
+        gc.collect()  # a DDP model in a reference cycle holds the group: freed first, destroying ends its threads
         dist.destroy_process_group()
 
 
@@ -83,6 +85,7 @@ def main() -> None:
         try:
             train(dist.get_rank(), dist.get_world_size(), args.steps)
         finally:
+            gc.collect()
             dist.destroy_process_group()
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -60,3 +60,34 @@ def test_section_two_gradient_equals_an_independent_single_process_gradient():
     expected = torch.cat([param.grad.flatten() for param in model.parameters()])
     for result in results:
         torch.testing.assert_close(result["grad"], expected)
+
+
+_DESTROYS_ITS_GROUP = """
+import torch.distributed as dist
+from torchmetrics_varlen.tools.demo import run_under_torchrun
+
+assert not dist.is_initialized()
+ok = run_under_torchrun([4])
+assert ok, "report 4 failed"
+assert not dist.is_initialized(), "the demo left its process groups alive"
+print("destroyed")
+"""
+
+
+def test_demo_under_torchrun_destroys_the_groups_it_made():
+    """Exiting with gloo groups alive can abort the process (SIGABRT) after the demo printed its verdict.
+
+    A gloo worker thread may still be releasing the last collective's tensors when the interpreter finalizes; it is
+    then killed inside a C++ destructor ("terminate called without an active exception"). The demo destroys the
+    groups it made, which joins those threads first. Checked in a fresh process with torchrun's environment.
+    """
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = [sys.executable, "-c", _DESTROYS_ITS_GROUP]
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and "destroyed" in result.stdout, f"exit {result.returncode}\n{result.stderr[-3000:]}"

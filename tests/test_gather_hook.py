@@ -173,3 +173,75 @@ def test_hook_keeps_rank_local_autograd_graph(world_size):
     for result in run_distributed(body_hook_autograd, world_size):
         torch.testing.assert_close(result["value"], result["expected_value"])
         torch.testing.assert_close(result["grad"], result["expected_grad"])
+
+
+# ------------------------------------------------------------------ where the hook cannot help: an empty rank's lists
+def _retrieval_data(world_size, empty):
+    """A retrieval batch split over the ranks, rank ``empty`` holding nothing; and the whole batch."""
+    gen = torch.Generator().manual_seed(11)
+    n = 10 * world_size
+    indexes = torch.randint(0, 5, (n,), generator=gen)
+    whole = (torch.rand(n, generator=gen), torch.randint(0, 2, (n,), generator=gen), indexes)  # update's order
+    holders = [rank for rank in range(world_size) if rank != empty]
+    return whole, {rank: [part.chunk(len(holders))[holders.index(rank)] for part in whole] for rank in holders}
+
+
+def body_retrieval_hook_empty_rank(rank, world_size, empty):
+    from torchmetrics.retrieval import RetrievalMAP
+
+    from torchmetrics_varlen import SyncTimeoutError
+
+    _, parts = _retrieval_data(world_size, empty)
+    metric = RetrievalMAP(dist_sync_fn=gather_all_tensors)
+    if rank in parts:
+        metric.update(*parts[rank])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # compute() before update() on the empty rank
+        try:
+            metric.compute()
+        except SyncTimeoutError as err:
+            return ("SyncTimeoutError", str(err))
+        except Exception as err:  # the empty rank fails on its own, inside stock code
+            return (type(err).__name__, str(err))
+    return ("returned", "")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hook_names_the_empty_list_case_on_the_waiting_ranks(world_size):
+    """Stock calls the hook once per item of a `dist_reduce_fx=None` list: never on an empty rank. Its peers say so."""
+    empty = 1
+    env = {"TORCHMETRICS_VARLEN_SYNC_TIMEOUT": "2"}
+    results = run_distributed(body_retrieval_hook_empty_rank, world_size, empty, fresh=True, env=env, deadline=60)
+    kind, message = results[empty]
+    assert kind == "ValueError" and "No samples to concatenate" in message, results[empty]
+    for rank, (kind, message) in enumerate(results):
+        if rank == empty:
+            continue
+        assert kind == "SyncTimeoutError", (rank, kind, message)
+        assert "gather_all_tensors" in message and "dist_reduce_fx=None" in message, message
+        assert "torchmetrics_varlen.rebase(" in message and "empty" in message, message
+
+
+def body_retrieval_rebased_empty_rank(rank, world_size, empty):
+    from torchmetrics.retrieval import RetrievalMAP
+
+    from torchmetrics_varlen import rebase
+
+    _, parts = _retrieval_data(world_size, empty)
+    metric = rebase(RetrievalMAP)()
+    if rank in parts:
+        metric.update(*parts[rank])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return metric.compute()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_rebased_retrieval_map_is_exact_with_an_empty_rank(world_size):
+    from torchmetrics.retrieval import RetrievalMAP
+
+    empty = 1 if world_size > 1 else -1
+    whole, _ = _retrieval_data(world_size, empty)
+    expected = RetrievalMAP()(*whole)
+    for value in run_distributed(body_retrieval_rebased_empty_rank, world_size, empty):
+        torch.testing.assert_close(value, expected, rtol=0, atol=0)

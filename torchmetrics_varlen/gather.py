@@ -7,6 +7,7 @@ from torch import Tensor
 
 from torchmetrics_varlen import _engine, _protocol, _transport
 from torchmetrics_varlen._buffers import Stacked
+from torchmetrics_varlen.errors import SyncTimeoutError
 
 __all__ = ["gather_all_tensors"]
 
@@ -14,6 +15,19 @@ _HOOK_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors")
 # Its own context: a rank gathering with ``sync_grads=True`` while a peer gathers without it would hang in backward,
 # so the metadata exchange turns that into a `SyncMismatchError` on every rank instead.
 _GRAD_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors(sync_grads=True)")
+
+# What a waiting rank adds to a timeout in the hook. Stock `Metric._sync_dist` calls the hook once per tensor: once
+# per list item for a list state whose `dist_reduce_fx` is None (dim_zero_cat lists are concatenated into one item
+# first), so a rank with fewer items makes fewer calls, and one with an empty list none. That rank then fails or
+# returns on its own while its peers wait here. No hook can change stock's control flow; `rebase` can.
+HOOK_LIMIT = (
+    " This sync is the `gather_all_tensors` hook, which torchmetrics calls once per tensor: for a list state with"
+    " `dist_reduce_fx=None` (the `indexes`, `preds` and `target` of the retrieval metrics, for example) once per list"
+    " item, and not at all on a rank whose list is empty, so a rank without data (or with fewer `update()` calls)"
+    ' never arrives and usually raises on its own ("No samples to concatenate"). No hook can change that: use'
+    " `torchmetrics_varlen.rebase(<the metric class>)`, which syncs every state in one exchange whatever each rank"
+    " holds."
+)
 
 
 def _tensor_name(index: int) -> str:
@@ -40,6 +54,10 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     * Element ``rank`` of the result is ``result`` itself, so its autograd graph (rank-local) is kept; the other
       elements carry no graph. With ``sync_grads=True`` every element is differentiable and the backward pass sends
       each rank the gradient of its own samples, summed over all ranks (see the "Metrics as losses" docs page).
+    * Torchmetrics decides how often the hook runs: once per tensor, so once per item of a list state with
+      ``dist_reduce_fx=None`` and never for such a list when it is empty. Ranks with different numbers of items make
+      different numbers of calls, which no hook can repair: the ranks waiting in the hook raise
+      :class:`~torchmetrics_varlen.SyncTimeoutError` naming this case. Use :func:`~torchmetrics_varlen.rebase` there.
 
     Args:
         result: this rank's tensor.
@@ -73,21 +91,24 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     if world is None:
         return [result]
     rank, _ = world
-    synced = _engine.run(
-        [result],
-        group,
-        context=_GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
-        label="gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
-        timeout=_transport.default_timeout(),
-        # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
-        flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
-        grad="always",
-        names=_tensor_name,
-        # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is
-        # the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked, and
-        # torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
-        device=None,
-    )
+    try:
+        synced = _engine.run(
+            [result],
+            group,
+            context=_GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
+            label="gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
+            timeout=_transport.default_timeout(),
+            # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
+            flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
+            grad="always",
+            names=_tensor_name,
+            # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is
+            # the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked, and
+            # torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
+            device=None,
+        )
+    except SyncTimeoutError as err:  # the waiting ranks: name the case the hook cannot help with
+        raise SyncTimeoutError(str(err) + HOOK_LIMIT) from err
     assert synced is not None  # no `stop` given
     gathered = synced.results[0]
     per_rank: list[Tensor] = list(gathered.tensor.unbind(0)) if isinstance(gathered, Stacked) else list(gathered)  # type: ignore[union-attr, arg-type]

@@ -10,6 +10,7 @@ the truth or raises the error it promises.
 process group and skips the methods that would hang or abort the job.
 """
 
+import gc
 import os
 import sys
 import time
@@ -67,9 +68,28 @@ def run_spawned(world_size: int, numbers: list[int]) -> bool:
 
 
 def run_under_torchrun(numbers: list[int]) -> bool:
-    """Use the process group that ``torchrun`` set up; rank 0 prints. True when every "ours" row passed."""
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    """Use the process group that ``torchrun`` set up; rank 0 prints. True when every "ours" row passed.
+
+    The demo makes the job's process group when none exists, and then destroys every group before it returns.
+    """
+    if dist.is_initialized():
+        return _sections_under_torchrun(numbers)
+    dist.init_process_group("gloo")
+    try:
+        return _sections_under_torchrun(numbers)
+    finally:
+        # A process must not exit with gloo groups alive: their worker threads may still be releasing the last
+        # collective (here the final all_gather_object) and its tensors, whose Python objects need the GIL. Once
+        # the interpreter finalizes, such a thread is killed inside a C++ destructor and the process aborts with
+        # "terminate called without an active exception" (SIGABRT) after printing its result. Destroying the groups
+        # (every one: the world and the join side groups) joins those threads while the interpreter still runs.
+        # Objects in reference cycles (a DDP model's reducer, metrics) may still hold a group: collected first, so
+        # that destroying the groups really ends their threads.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _sections_under_torchrun(numbers: list[int]) -> bool:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ok = True
     for number in numbers:
