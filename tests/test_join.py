@@ -33,7 +33,7 @@ class BatchMSE(Metric):
         return self.sse / self.count
 
 
-STEPS = {2: [10, 7], 3: [10, 7, 0]}
+STEPS = {1: [6], 2: [10, 7], 3: [10, 7, 0]}  # a group of one: Join has nothing to shadow, and must not fail
 
 
 def _batches(rank, steps, seed=0):
@@ -74,7 +74,7 @@ def body_join_ddp_loss(rank, world_size):
     return {"epoch": epoch, "expected": ((all_p - all_t) ** 2).mean(), "steps": len(step_values)}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_join_with_ddp_loss_does_not_hang_and_is_exact(world_size):
     # Shared pools: a passing Join leaves nothing pending (a hang hits the deadline, which closes the pool).
     results = run_distributed(body_join_ddp_loss, world_size, deadline=60)
@@ -611,7 +611,7 @@ def body_plain_join(rank, world_size, with_model):
 
 
 @pytest.mark.parametrize("with_model", [False, True])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_a_plain_join_with_the_metrics_first_is_exact(world_size, with_model):
     # Torch's own Joinable contract: Join([metric]) or Join([metric, ddp_model]) cannot deadlock, so both work.
     for result in run_distributed(body_plain_join, world_size, with_model=with_model, deadline=60):

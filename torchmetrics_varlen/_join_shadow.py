@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _engine, _protocol
+from torchmetrics_varlen import _engine, _protocol, _transport
 from torchmetrics_varlen._state_sync import (
     StateDict,
     _warn_mean_of_means,
@@ -143,6 +143,8 @@ def step_sync(
 
 def exchange_terminate(side: Any, timeout: float | None, what: str) -> None:
     """The last ranks to join end the workers: one "terminate" record; raise if a worker failed meanwhile."""
+    if _transport.world_of(side) is None:  # a group of one: no other rank, no worker to end
+        return
     seen: list[Tensor] = []
 
     def stop(table: Tensor) -> bool:
