@@ -45,6 +45,14 @@ def _batches(rank, steps, seed=0):
     ]
 
 
+def _single_process_mse(seen_preds, seen_target):
+    """The reference: every sample any rank evaluated, gathered after the fact and scored by one process."""
+    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
+    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
+    all_p, all_t = torch.cat(gather_all_tensors(local_p)), torch.cat(gather_all_tensors(local_t))
+    return ((all_p - all_t) ** 2).mean()
+
+
 def body_join_ddp_loss(rank, world_size):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
@@ -66,12 +74,7 @@ def body_join_ddp_loss(rank, world_size):
     copied = metric.clone()  # a session holds a thread and a process group: the copy starts outside Join
     assert copied._join_session is None and metric._join_group is not None
     torch.testing.assert_close(copied.compute(), epoch)
-    # Reference: every sample any rank evaluated, gathered after the fact and scored by one process.
-    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
-    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
-    all_p = torch.cat(gather_all_tensors(local_p))
-    all_t = torch.cat(gather_all_tensors(local_t))
-    return {"epoch": epoch, "expected": ((all_p - all_t) ** 2).mean(), "steps": len(step_values)}
+    return {"epoch": epoch, "expected": _single_process_mse(seen_preds, seen_target), "steps": len(step_values)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -98,10 +101,7 @@ def body_join_several_syncs_per_iteration(rank, world_size):
             optimizer.step()
             seen_preds.append(preds.detach())
             seen_target.append(y.double())
-    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
-    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
-    all_p, all_t = torch.cat(gather_all_tensors(local_p)), torch.cat(gather_all_tensors(local_t))
-    expected = ((all_p - all_t) ** 2).mean()
+    expected = _single_process_mse(seen_preds, seen_target)
     return {"first": first.compute(), "second": second.compute(), "expected": expected}
 
 
@@ -500,9 +500,7 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
         engine.run = original
     side = metric._join_group
     where = ["side" if group is side else "own" if group is None else "other" for group in groups]
-    all_p = torch.cat(gather_all_tensors(torch.cat(seen_preds)))
-    all_t = torch.cat(gather_all_tensors(torch.cat(seen_target)))
-    return {"where": where, "values": values, "epoch": epoch, "expected": ((all_p - all_t) ** 2).mean()}
+    return {"where": where, "values": values, "epoch": epoch, "expected": _single_process_mse(seen_preds, seen_target)}
 
 
 @pytest.mark.parametrize("with_model", [False, True])
@@ -595,16 +593,14 @@ def body_plain_join(rank, world_size, with_model):
                 optimizer.step()
             seen_preds.append(preds.detach())
             seen_target.append(y.double())
-    local_p = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
-    local_t = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
-    all_p, all_t = torch.cat(gather_all_tensors(local_p)), torch.cat(gather_all_tensors(local_t))
+    expected = _single_process_mse(seen_preds, seen_target)
     weights = None
     if with_model:
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         weights = torch.cat(gather_all_tensors(flat)).view(world_size, -1)
     return {
         "epoch": metric.compute(),
-        "expected": ((all_p - all_t) ** 2).mean(),
+        "expected": expected,
         "weights": weights,
         "left": metric._join_session is None and not metric._join_config.enable,
     }
