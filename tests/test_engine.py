@@ -12,7 +12,7 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, _plan, _policy, rebase
+from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, _plan, _policy, _protocol, rebase
 
 _REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
 
@@ -433,7 +433,7 @@ def test_records_are_sized_to_the_sync_and_shrink_after_a_window(world_size):
     for rank in range(world_size):
         single_small.update(torch.tensor([0.9, 0.2, 0.7][: rank + 1]), torch.tensor([1, 0, 0][: rank + 1]))
         single_wide.update(torch.arange(rank + 2, dtype=torch.float32))
-    wide_bytes = (10 + 40 * 6 + 20) * 8  # header, slots, and 40 float32 sums riding in 20 words
+    wide_bytes = (_protocol.HEADER_LEN + 40 * 6 + 20) * 8  # header, slots, and 40 float32 sums riding in 20 words
     for result in results:
         first, least = result["first"] * 8, result["least"] * 8
         assert torch.equal(result["values"]["small"], single_small.compute())

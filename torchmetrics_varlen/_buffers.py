@@ -17,6 +17,7 @@ from torch import Tensor
 from torchmetrics_varlen._plan import (
     ENC_INVERT,
     ENC_SPLIT,
+    ROUTE_BCAST,
     ROUTE_REDUCE,
     EntryPlan,
     Plan,
@@ -113,7 +114,7 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.dev
                 table_view = buffer[offset : offset + len(shape_table) * 8].view(torch.int64)
                 table_view.copy_(torch.tensor(shape_table, dtype=torch.int64))
                 offset += int(eplan.table_bytes[rank])
-            if eplan.dtype is None:
+            if eplan.dtype is None or eplan.route == ROUTE_BCAST:  # broadcast data goes into its result directly
                 continue
             for item in items:
                 nbytes = item.numel() * eplan.dtype.itemsize
@@ -191,13 +192,20 @@ def unpack_inline(table: Tensor, described: int, plan: Plan) -> list[Result | No
 
 
 def unpack(
-    rows: Tensor | None, plan: Plan, devices: Sequence[torch.device], cat: Sequence[bool] | None = None
+    rows: Tensor | None,
+    plan: Plan,
+    devices: Sequence[torch.device],
+    cat: Sequence[bool] | None = None,
+    broadcast: dict[int, Tensor] | None = None,
 ) -> list[Result | None]:
     """Every gathered entry cut out of the ``[world_size, bytes]`` rows; None for the all-reduced ones.
 
     ``cat`` flags the entries whose ranks' data is concatenated (``dist_reduce_fx="cat"``): they come back as one
     :class:`Joined` tensor. Dense entries come back :class:`Stacked`, the rest as a list of per-rank pieces.
+    ``broadcast`` holds the data of the entries on the broadcast route (every rank's, in rank order: see
+    :mod:`torchmetrics_varlen._broadcast`); their results are views of it, no copy.
     """
+    broadcast = broadcast or {}
     world = plan.world_size
     results: list[Result | None] = [None] * len(plan.entries)
     if rows is None:
@@ -207,16 +215,22 @@ def unpack(
         for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
             stacked = part.reshape(world, *plan.entries[index].shape)
             results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
+    for index, data in broadcast.items():
+        if plan.entries[index].dense:
+            results[index] = Stacked(data.view(world, *plan.entries[index].shape).to(devices[index]))
     gathered = [index for index, eplan in enumerate(plan.entries) if not eplan.dense and eplan.route != ROUTE_REDUCE]
     referring = {index for index in gathered if bool((plan.entries[index].refs >= 0).any())}
     joins = [index for index in gathered if cat is not None and cat[index] and index not in referring]
-    joined = _joined(rows, plan, joins, devices)
+    joined = _joined(rows, plan, joins, devices, broadcast)
     for index in gathered:
         if index in referring:
             results[index] = _with_refs(rows, plan, index, results, devices[index])
         else:
             found = joined.get(index)
-            results[index] = found if found is not None else _pieces(rows, plan.entries[index], devices[index])
+            pieces = found is None
+            results[index] = (
+                _pieces(rows, plan.entries[index], devices[index], broadcast.get(index)) if pieces else found
+            )
     return results
 
 
@@ -261,11 +275,13 @@ def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) ->
     return [torch.index_select(flat, 0, part) for part in torch.split(index, totals)]
 
 
-def _joined(rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torch.device]) -> dict[int, Joined]:
+def _joined(
+    rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torch.device], broadcast: dict[int, Tensor]
+) -> dict[int, Joined]:
     """The ``cat`` entries among ``indices`` whose items' shapes allow it as one tensor each, of all ranks' data.
 
     Which entries join, and to what trailing dims, is decided for all of them at once; entries of one dtype are cut
-    out together (see ``_select``).
+    out together (see ``_select``). A broadcast entry's data is already joined: it is viewed in that shape.
     """
     out: dict[int, Joined] = {}
     if not indices:
@@ -287,6 +303,8 @@ def _joined(rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torc
             continue  # its items' shapes do not allow one tensor: per-rank pieces
         elif eplan.dtype is None:  # items of zero length only: they keep the dtype a rank sent, as on one process
             out[index] = Joined(torch.empty(0, dtype=_sent_dtype(eplan)).view(-1, *shape).to(devices[index]))
+        elif index in broadcast:
+            out[index] = Joined(broadcast[index].view(-1, *shape).to(devices[index]))
         else:
             pending.setdefault(eplan.dtype, []).append((position, shape))
     if pending:
@@ -339,12 +357,22 @@ def _common_trailing(shapes: Tensor, holds: Tensor) -> list[tuple[int, ...] | No
     return found
 
 
-def _pieces(rows: Tensor, eplan: EntryPlan, device: torch.device) -> list:  # type: ignore[type-arg]
-    """One piece per rank: a tensor with its true shape, or a list of tensors (list entries)."""
-    return [_piece(rows, eplan, rank, device) for rank in range(eplan.numels.shape[0])]
+def _pieces(rows: Tensor, eplan: EntryPlan, device: torch.device, data: Tensor | None = None) -> list:  # type: ignore[type-arg]
+    """One piece per rank: a tensor with its true shape, or a list of tensors (list entries).
+
+    ``data``: every rank's data of a broadcast entry, in rank order (its item shape tables are in ``rows``).
+    """
+    starts = (eplan.numels.cumsum(0) - eplan.numels).tolist() if data is not None else None
+    return [
+        _piece(rows, eplan, rank, device, None if data is None or starts is None else data[starts[rank] :])
+        for rank in range(eplan.numels.shape[0])
+    ]
 
 
-def _piece(rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> Tensor | list[Tensor]:
+def _piece(
+    rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device, data: Tensor | None = None
+) -> Tensor | list[Tensor]:
+    """Rank ``rank``'s piece; ``data``: its elements (and what follows) where the entry was broadcast."""
     assert eplan.offsets is not None and eplan.table_bytes is not None
     offset, numel = int(eplan.offsets[rank]), int(eplan.numels[rank])
     if eplan.kind == KIND_TENSOR:
@@ -353,14 +381,17 @@ def _piece(rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> T
             dtype = eplan.dtype or dtype_of(int(eplan.dtype_codes[rank])) or torch.get_default_dtype()
             return torch.empty(shape, dtype=dtype, device=device)
         assert eplan.dtype is not None  # a rank with data has a dtype
-        data = rows[rank, offset : offset + numel * eplan.dtype.itemsize].view(eplan.dtype)
-        return data.view(eplan.shape_of(rank)).to(device)
+        if data is not None:
+            return data[:numel].view(eplan.shape_of(rank)).to(device)
+        raw = rows[rank, offset : offset + numel * eplan.dtype.itemsize].view(eplan.dtype)
+        return raw.view(eplan.shape_of(rank)).to(device)
     count = int(eplan.items[rank])
     if count == 0:
         return []
     table = rows[rank, offset : offset + count * SHAPE_WORDS * 8].view(torch.int64).view(count, SHAPE_WORDS).tolist()
     dtype = eplan.dtype if eplan.dtype is not None else _sent_dtype(eplan)
     start = offset + int(eplan.table_bytes[rank])
+    position = 0  # in ``data``, where the entry was broadcast
     items = []
     for slots in table:
         shape = tuple(slots[1 : 1 + slots[0]])
@@ -369,9 +400,12 @@ def _piece(rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device) -> T
             size *= dim
         if eplan.dtype is None or size == 0:
             items.append(torch.empty(shape, dtype=dtype, device=device))
+        elif data is not None:
+            items.append(data[position : position + size].view(shape).to(device))
         else:
             items.append(rows[rank, start : start + size * dtype.itemsize].view(dtype).view(shape).to(device))
         start += size * dtype.itemsize
+        position += size
     return items
 
 

@@ -4,15 +4,20 @@ The hook (:func:`~torchmetrics_varlen.gather_all_tensors`), :class:`~torchmetric
 :func:`~torchmetrics_varlen.compute_on_rank`, ``sync_grads`` and the Join shadow all call :func:`run`. What differs
 between them is the data step:
 
-* **gather + reduce** (default): gathered entries travel in one padded ``all_gather_into_tensor``; dense states with
-  a sum, max, min or mean reduction that the plan routes to all-reduce travel in one ``all_reduce`` per (op, dtype)
-  bucket. Each rank then receives ``world_size x`` the gathered bytes but only ``1 x`` the reduced ones.
+* **gather + reduce + broadcast** (default): gathered entries travel in one padded ``all_gather_into_tensor``; dense
+  states with a sum, max, min or mean reduction that the plan routes to all-reduce travel in one ``all_reduce`` per
+  (op, dtype) bucket; states whose largest rank holds many bytes travel by one ``broadcast`` per rank straight into
+  their results (:mod:`torchmetrics_varlen._broadcast`). Each rank then receives ``world_size x`` the largest rank's
+  gathered bytes, ``1 x`` the reduced ones and the true sizes of the broadcast ones.
 * **to one rank** (``dst``): everything travels in one ``gather`` to rank ``dst``; the other ranks get nothing back.
 * **differentiable** (``grad``): the gather + reduce step inside one autograd function, whose backward runs one
   ``all_reduce`` of every gradient (see :class:`_DifferentiableStep`).
 
 Collectives per sync: one metadata exchange (two when a rank's record outgrew the group's agreed record length),
-then at most one gather and one all-reduce per reduce bucket, all decided from the exchanged metadata.
+then at most one gather, one all-reduce per reduce bucket, and per broadcast state one broadcast per rank holding
+data (per chunk of the transfer cap), all decided from the exchanged metadata. Before them, when the sync receives
+at least ``AGREE_MIN_BYTES``, one tiny all-gather in which every rank says whether it could allocate that: a rank out
+of memory makes every rank raise :class:`~torchmetrics_varlen.SyncMemoryError` instead of hanging its peers.
 """
 
 import hashlib
@@ -23,10 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _buffers, _plan, _policy, _protocol, _transport
+from torchmetrics_varlen import _broadcast, _buffers, _cap, _plan, _policy, _protocol, _transport
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry, Ref
+
+# From this many bytes received per rank, the ranks agree that each could allocate them before any data moves (one
+# tiny all-gather: under 3% of moving that much on gloo). Below it, a rank whose allocation fails raises alone, and
+# its peers' timeout names it as missing.
+AGREE_MIN_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -84,6 +94,7 @@ def run(
     inline: bool = True,
     names: Callable[[int], str] | None = None,
     device: torch.device | None = None,
+    cap: int | None = None,
 ) -> Synced | None:
     """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
 
@@ -107,6 +118,8 @@ def run(
         device: the metric's device (``Metric.device``), equal on every rank: it picks the backend of a group with
             several, and where an entry without tensors gets its results. None only where no metric is known (the
             ``gather_all_tensors`` hook, whose one tensor is always there).
+        cap: this rank's transfer cap in bytes (``Metric(sync_cap=...)``); None: the environment's or the default
+            (see :mod:`torchmetrics_varlen._cap`). The plan takes the smallest of all ranks'.
     """
     world = _transport.world_of(group)
     assert world is not None
@@ -117,7 +130,8 @@ def run(
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
     # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
     flags |= _protocol.REDUCE_FLAGS[policy.reduce]
-    record = _protocol.describe(entries, context, label, flags, aux, inline)
+    cap = cap if cap is not None else _cap.resolve_cap()
+    record = _protocol.describe(entries, context, label, flags, aux, inline, cap)
     table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
         return None
@@ -126,7 +140,8 @@ def run(
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
-    plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat, names)
+    broadcast_min = None if dst is not None else policy.broadcast_min  # to one rank: one gather, as before
+    plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat, names, broadcast_min)
     if plan.inline:  # the data came with the records: cut it out of the table
         return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
     devices = [entry_device(entry, device or local or policy.device) for entry in entries]
@@ -152,9 +167,24 @@ class _Step:
     dst: int | None
 
     def move(self) -> list[Result | None]:
-        """Pack, run the collectives, unpack (see the module docstring for the variants)."""
+        """Allocate, pack, run the collectives, unpack (see the module docstring for the variants)."""
         plan, device, wait = self.plan, self.policy.device, self.policy.wait
-        reduced = _buffers.pack_reduced(self.entries, plan, device)
+        agree = plan.alloc_bytes >= AGREE_MIN_BYTES  # from the plan: every rank agrees, or none does
+        failure: BaseException | None = None
+        reduced: list[Tensor] = []
+        received: dict[int, Tensor] = {}
+        output = None
+        try:
+            reduced = _buffers.pack_reduced(self.entries, plan, device)
+            received = _broadcast.allocate(plan, device)
+            if plan.max_bytes > 0 and self.dst is None:
+                output = _broadcast.empty(plan.world_size * plan.max_bytes, torch.uint8, device)
+        except (RuntimeError, MemoryError) as err:  # an allocator's error: CPU, CUDA (torch.OutOfMemoryError) alike
+            if not agree:
+                raise
+            failure = err
+        if agree:  # raises on every rank if one failed, before any data moves
+            _transport.agree_allocation(failure, plan.alloc_bytes, self.group, device, wait, self.timeout, self.what)
         if reduced:
             ops = [group.op for group in plan.reduce_groups]
             _transport.all_reduce(list(zip(reduced, ops)), self.group, wait, self.timeout, self.what)
@@ -162,12 +192,16 @@ class _Step:
         if plan.max_bytes > 0:
             buffer = _buffers.pack(self.entries, plan, self.rank, device)
             if self.dst is None:
-                rows = _transport.gather_rows(buffer, self.group, wait, self.timeout, self.what)
+                rows = _transport.gather_rows(buffer, self.group, wait, self.timeout, self.what, output)
             else:
                 rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what)
+        if received:
+            _broadcast.fill_own(self.entries, plan, self.rank, received)
+            sections = _broadcast.sections(plan, received)
+            _transport.broadcast_all(sections, self.group, wait, self.timeout, self.what)
         if self.dst is not None and self.rank != self.dst:
             return []
-        results = _buffers.unpack(rows, plan, self.devices, self.cat)
+        results = _buffers.unpack(rows, plan, self.devices, self.cat, received)
         for index, value in _buffers.unpack_reduced(reduced, plan, self.devices).items():
             results[index] = value
         return results

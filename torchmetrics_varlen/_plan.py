@@ -27,6 +27,7 @@ from torchmetrics_varlen._protocol import (
     FLAG_DIFF,
     FLAG_GRAD,
     FLAG_INLINE,
+    H_CAP,
     H_FLAGS,
     H_N,
     HEADER_LEN,
@@ -40,6 +41,7 @@ from torchmetrics_varlen._protocol import (
     W_HEAD,
     W_NUMEL,
     DenseGroup,
+    align,
     check_headers,
     dense_layout,
     dtype_name,
@@ -50,7 +52,9 @@ from torchmetrics_varlen.errors import SyncMismatchError
 
 # Reductions the plan can move by all-reduce (equal shape and dtype on every rank). Stock's `mean` is a sum / W.
 OP_NONE, OP_SUM, OP_MAX, OP_MIN, OP_MEAN = 0, 1, 2, 3, 4
-ROUTE_GATHER, ROUTE_REDUCE = 0, 1
+# How an entry's data moves: inside the one padded gather, by an all-reduce of its reduce group, or by per-rank
+# broadcasts straight into its result (``_route_data``).
+ROUTE_GATHER, ROUTE_REDUCE, ROUTE_BCAST = 0, 1, 2
 
 
 @dataclass
@@ -119,6 +123,18 @@ class Plan:
     reduce_groups: list[ReduceGroup]
     differentiable: bool = False  # the data step runs inside an autograd function (see ``_engine``)
     inline: bool = False  # every rank's data came in its record (``FLAG_INLINE``): no data step
+    broadcast: list[int] = field(default_factory=list)  # the entries on ROUTE_BCAST, in order
+    cap: int = 0  # the smallest transfer cap of the ranks (bytes): the most one broadcast moves
+
+    @property
+    def alloc_bytes(self) -> int:
+        """Bytes this sync allocates on every rank for what it receives: the padded rows, broadcast results."""
+        total = self.world_size * self.max_bytes + sum(group.nbytes for group in self.reduce_groups)
+        for index in self.broadcast:
+            entry = self.entries[index]
+            assert entry.dtype is not None  # only entries with data broadcast
+            total += int(entry.numels.sum()) * entry.dtype.itemsize
+        return total
 
 
 # Moving a reducible group by all-reduce instead of inside the gather saves about (W - 2) x its bytes of traffic per
@@ -150,6 +166,7 @@ def reduce_dtype(op: int, dtype: torch.dtype) -> torch.dtype | None:
 
 
 _PLANS: dict[tuple[bytes, tuple[int, ...], str], Plan] = {}
+# Plans (and the dense entries they share) are never mutated once made: a routed entry is a copy (``_with_route``).
 _PLANS_LOCK = threading.Lock()  # the Join worker thread plans too
 PLAN_CACHE_SIZE = 64
 
@@ -163,6 +180,7 @@ def make_plan(
     grad: str = "if_graph",
     cat: Sequence[bool] | None = None,
     names: Callable[[int], str] | None = None,
+    broadcast_min: int | None = None,
 ) -> Plan:
     """Check the gathered records and lay out the data exchange; raise `SyncMismatchError` on every rank alike.
 
@@ -173,14 +191,17 @@ def make_plan(
     a graph). ``digest`` identifies the table: a metric synced again and again sends the same table, and a plan
     looked up costs less than one made. Plans are never mutated after this; a table that raises is never cached.
     ``names`` names the entry at a position in error messages (a metric's state: ``"BinaryAUROC.preds"``).
+    ``broadcast_min`` enables the broadcast route (``_route_data``) for entries whose largest rank holds at least
+    that many bytes (the policy's cost model); None keeps every entry in the gather (a sync to one rank).
     """
-    key = (digest, (*(ops or ()), -1, *(cat or ())), reduce + grad) if digest is not None else None
+    routes = (*(ops or ()), -1, *(cat or ()), -1, -1 if broadcast_min is None else broadcast_min)
+    key = (digest, routes, reduce + grad) if digest is not None else None
     if key is not None:
         with _PLANS_LOCK:
             plan = _PLANS.get(key)  # type: ignore[arg-type]
         if plan is not None:
             return plan
-    plan = _make_plan(table, what, ops, reduce, grad, cat, names or _entry_name)
+    plan = _make_plan(table, what, ops, reduce, grad, cat, names or _entry_name, broadcast_min)
     if key is not None:
         with _PLANS_LOCK:
             if len(_PLANS) >= PLAN_CACHE_SIZE:
@@ -201,6 +222,7 @@ def _make_plan(
     grad: str,
     cat: Sequence[bool] | None,
     names: Callable[[int], str],
+    broadcast_min: int | None,
 ) -> Plan:
     world = table.shape[0]
     check_headers(table, what, names)
@@ -212,7 +234,7 @@ def _make_plan(
     first = unpack_slots(packed[0]).tolist() if count else []
     dense = [same[i] and first[i][E_KIND] == KIND_TENSOR and first[i][E_NUMEL] > 0 for i in range(count)]
     uneven = [index for index in range(count) if not dense[index]]  # only these need every rank's slot unpacked
-    planned, sections = _plan_uneven(packed, uneven, cat, table, what, names) if uneven else ([], None)
+    planned, data_bytes = _plan_uneven(packed, uneven, cat, table, what, names) if uneven else ([], None)
     unevens = iter(planned)
     entries = [_dense_entry(tuple(first[i]), world) if dense[i] else next(unevens) for i in range(count)]
     flags = table[:, H_FLAGS]
@@ -224,13 +246,15 @@ def _make_plan(
     if any_graph and not differentiable:
         reduce = "never"  # the local slot gets this rank's own tensor back, with its graph, as stock does
     reduce_groups = _route(entries, ops, world, reduce, differentiable)
-    gathered_dense = [
-        (index, entry.dtype, int(entry.numels[0]))
-        for index, entry in enumerate(entries)
-        if entry.dense and entry.route == ROUTE_GATHER and entry.dtype is not None  # a dense entry has a dtype
-    ]
-    groups, used = dense_layout(gathered_dense)
-    nbytes = _layout_uneven(planned, sections, world, used)
+    cap = int(table[:, H_CAP].min())
+    groups, nbytes = _layout(entries, uneven, data_bytes, world)
+    broadcast: list[int] = []
+    if not inline and broadcast_min is not None and world > 1:
+        # Most syncs move small states: one check of the largest section and of the gather's size keeps them here.
+        largest = int(data_bytes.max()) if data_bytes is not None else 0
+        if largest >= broadcast_min or world * int(nbytes.max()) > cap:
+            broadcast = _route_data(entries, data_bytes, uneven, cap, broadcast_min)
+            groups, nbytes = _layout(entries, uneven, data_bytes, world)
     return Plan(
         world_size=world,
         entries=entries,
@@ -242,6 +266,8 @@ def _make_plan(
         reduce_groups=reduce_groups,
         differentiable=differentiable,
         inline=inline,
+        broadcast=broadcast,
+        cap=cap,
     )
 
 
@@ -280,6 +306,77 @@ def _route(
         for index in group.indices:
             entries[index] = _with_route(entries[index], ROUTE_REDUCE)
     return chosen
+
+
+def _layout(
+    entries: list[EntryPlan], uneven: list[int], data_bytes: Tensor | None, world: int
+) -> tuple[list[DenseGroup], Tensor]:
+    """Lay out each rank's gather buffer; return the dense groups and each rank's used bytes (``[W]``).
+
+    The dense groups come first, then each uneven entry's section: its item shape table, and its data unless the
+    entry is broadcast.
+    """
+    gathered_dense = [
+        (index, entry.dtype, int(entry.numels[0]))
+        for index, entry in enumerate(entries)
+        if entry.dense and entry.route == ROUTE_GATHER and entry.dtype is not None  # a dense entry has a dtype
+    ]
+    groups, used = dense_layout(gathered_dense)
+    if data_bytes is None:
+        return groups, torch.full((world,), used, dtype=torch.int64)
+    planned = [entries[index] for index in uneven]  # routed entries are copies: take them from `entries`
+    kept = torch.tensor([entry.route != ROUTE_BCAST for entry in planned]).unsqueeze(1)
+    tables = torch.stack([entry.table_bytes for entry in planned])  # type: ignore[misc]  # set by _plan_uneven
+    return groups, _layout_uneven(planned, tables + data_bytes * kept, world, used)
+
+
+def _route_data(
+    entries: list[EntryPlan], data_bytes: Tensor | None, uneven: list[int], cap: int, broadcast_min: int
+) -> list[int]:
+    """Move entries to per-rank broadcasts (``ROUTE_BCAST``), straight into their results; returns them, in order.
+
+    The padded gather moves and allocates ``world_size x`` the largest rank's bytes, and a joined ``cat`` state is then
+    copied out of it; ``W`` broadcasts, one per rank that holds data, move the true sizes into the result itself, at
+    the cost of ``W - 1`` more collectives. The cost model (measured on gloo, docs page "How the sync works"): a tiny
+    broadcast costs what moving ``broadcast_min`` bytes does, so an uneven entry whose largest rank holds at least
+    that many bytes is broadcast. Then the cap: while the padded gather would still allocate more than ``cap``
+    (``world_size x`` its largest rank's bytes), the largest remaining entry holding data moves too, dense ones
+    included. An entry that refers to another, or that another refers to, stays in the gather (its per-rank pieces
+    are cut from the gathered rows). Decided from the plan alone: every rank routes alike.
+    """
+    world = len(entries[0].numels) if entries else 0
+    referenced: set[int] = set()
+    for entry in entries:
+        if not entry.dense:
+            referenced.update(entry.refs[entry.refs >= 0].tolist())
+    per_rank = torch.zeros(world, dtype=torch.int64)  # what each rank's padded section holds, aligned
+    candidates: list[tuple[int, int, Tensor]] = []  # (total bytes, index, per-rank bytes)
+    positions = {index: position for position, index in enumerate(uneven)}
+    for index, entry in enumerate(entries):
+        if entry.route != ROUTE_GATHER:
+            continue
+        if entry.dense:
+            assert entry.dtype is not None
+            sizes = torch.full((world,), align(int(entry.numels[0]) * entry.dtype.itemsize), dtype=torch.int64)
+        else:
+            assert data_bytes is not None
+            sizes = data_bytes[positions[index]]
+            assert entry.table_bytes is not None
+            per_rank += entry.table_bytes  # shape tables always ride in the gather
+        movable = entry.dtype is not None and index not in referenced and not bool((entry.refs >= 0).any())
+        if movable and not entry.dense and int(sizes.max()) >= broadcast_min:
+            entries[index] = _with_route(entry, ROUTE_BCAST)
+            continue
+        per_rank += sizes
+        if movable and int(sizes.max()) > 0:
+            candidates.append((int(sizes.sum()), index, sizes))
+    candidates.sort(key=lambda found: -found[0])  # the largest first: fewest entries moved
+    for _, index, sizes in candidates:
+        if world * int(per_rank.max()) <= cap:
+            break
+        entries[index] = _with_route(entries[index], ROUTE_BCAST)
+        per_rank -= sizes
+    return [index for index, entry in enumerate(entries) if entry.route == ROUTE_BCAST]
 
 
 def _reduce_group(kind: str, members: list[tuple[int, int, torch.dtype]], entries: list[EntryPlan]) -> ReduceGroup:
@@ -359,10 +456,11 @@ def _plan_uneven(
 ) -> tuple[list[EntryPlan], Tensor]:
     """The entries ``indices``, whose slots differ between ranks (uneven sizes, empty ranks, lists, shared objects).
 
-    ``packed`` holds every entry's slots (``[W, entries, ENTRY_LEN]``). Returns the plans and each entry's section
-    bytes on each rank (``[m, W]``). Every check and size is one tensor operation over all of them (a fixed number per
-    sync, not per entry and rank); Python only builds the ``EntryPlan`` objects from the results. The first offending
-    entry raises, as if the entries were checked one by one.
+    ``packed`` holds every entry's slots (``[W, entries, ENTRY_LEN]``). Returns the plans and each entry's data
+    bytes on each rank (``[m, W]``, aligned; the item shape tables' bytes are in each plan's ``table_bytes``). Every
+    check and size is one tensor operation over all of them (a fixed number per sync, not per entry and rank); Python
+    only builds the ``EntryPlan`` objects from the results. The first offending entry raises, as if the entries were
+    checked one by one.
     """
     # Entry-major (``[m, ENTRY_LEN, W]``): the plan reduces over ranks, which is fastest along contiguous memory.
     planes = packed.permute(1, 2, 0).index_select(0, torch.tensor(indices, dtype=torch.int64))
@@ -408,7 +506,7 @@ def _plan_uneven(
         DTYPES[code - 1] if held else None for code, held in zip(codes[column, holder].tolist(), holds, strict=True)
     ]
     itemsizes = torch.tensor([dtype.itemsize if dtype is not None else 0 for dtype in dtypes]).unsqueeze(1)
-    sections = table_bytes + (numels * itemsizes + ALIGN - 1 & aligned)  # a referring rank's numel is 0
+    data_bytes = numels * itemsizes + ALIGN - 1 & aligned  # a referring rank's numel is 0
     entries = []
     per_entry = zip(
         *(part.unbind(0) for part in (codes, numels, items, shapes.transpose(1, 2), refs, table_bytes)), strict=True
@@ -432,7 +530,7 @@ def _plan_uneven(
                 table_bytes=entry_table,
             )
         )
-    return entries, sections
+    return entries, data_bytes
 
 
 def _cat_conflicts(shapes: Tensor, nonempty: Tensor, catted: Tensor) -> Tensor:

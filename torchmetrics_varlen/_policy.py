@@ -48,9 +48,14 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   does so at the group's timeout anyway); that is why our timeout is capped below the group's (see ``_transport``).
   A sleep asks the OS for tens of microseconds and gets 100-200 on a busy machine, which is why gloo blocks instead of
   sleeping.
-* **Data path.** The padded equal-size gather (``all_gather_into_tensor``) on every backend, and ``all_reduce`` for
-  the dense states the plan routes there. NCCL's list ``all_gather`` with unequal sizes is not used: it could not be
-  run where this package is tested.
+* **Data path.** The padded equal-size gather (``all_gather_into_tensor``) on every backend, ``all_reduce`` for the
+  dense states the plan routes there, and one ``broadcast`` per rank straight into the result for the states whose
+  largest rank holds at least ``broadcast_min`` bytes (see ``_plan._route_data``). ``broadcast_min`` is the cost
+  model's one constant: the bytes whose transfer costs what one more collective does. Measured on gloo (2-8 CPU
+  processes, docs page "How the sync works"): 128 KiB. On NCCL it is 4 MiB, a choice from NCCL's documented latency
+  and bandwidth, **not measured**: NCCL paths cannot run where this package is tested. The route itself is the same
+  code on every backend (plain ``broadcast`` of a contiguous slice, which NCCL supports on CUDA tensors). NCCL's list
+  ``all_gather`` with unequal sizes is not used: it could not be run where this package is tested.
 
 Tests force a policy on gloo with :func:`forced`, and call :func:`decide`, :func:`buffer_device` and :func:`wait_for`
 directly with made-up facts, backends and work objects.
@@ -80,6 +85,8 @@ POLL_FIRST = 20e-6
 POLL_GROWTH = 1.5
 POLL_MAX = 2e-3
 MIN_SLICE = 1e-3  # seconds: the shortest timed wait; c10d takes whole milliseconds, and reads 0 as "no timeout"
+# The broadcast route's threshold (module docstring, "Data path"): measured on gloo; NCCL's is not measured.
+BROADCAST_MIN_BYTES = {"gloo": 128 * 2**10, "nccl": 4 * 2**20}
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class TransportPolicy:
         wait: how the collectives are waited for: "block" or "poll" (see :func:`wait_for`).
         grad_device: where the outputs of a differentiable sync live (None: ``device``); see the module docstring.
         grad_wait: how the backward all-reduce is waited for: "stream" on NCCL, else as ``wait``.
+        broadcast_min: the bytes of its largest rank from which a state moves by per-rank broadcasts.
     """
 
     backend: str
@@ -101,6 +109,7 @@ class TransportPolicy:
     wait: str = "poll"
     grad_device: torch.device | None = None
     grad_wait: str | None = None
+    broadcast_min: int = BROADCAST_MIN_BYTES["gloo"]
 
 
 @dataclass(frozen=True)
@@ -198,10 +207,12 @@ def decide(facts: Facts) -> TransportPolicy:
     """The policy of a sync with these facts: a pure function, so tests give it made-up backends and devices."""
     device = buffer_device(facts)
     grad_device = device if device.type != "cpu" else (facts.device or facts.local or _CPU)
-    nccl = _serving(facts.backend, device.type) == "nccl"
+    serving = _serving(facts.backend, device.type)
+    nccl = serving == "nccl"
     wait = wait_mode(facts.backend, device.type)
+    broadcast_min = BROADCAST_MIN_BYTES.get(serving, BROADCAST_MIN_BYTES["gloo"])
     return TransportPolicy(
-        facts.backend, device, reduce_mode(facts.reduce), wait, grad_device, "stream" if nccl else wait
+        facts.backend, device, reduce_mode(facts.reduce), wait, grad_device, "stream" if nccl else wait, broadcast_min
     )
 
 

@@ -36,15 +36,15 @@ class Ref:
 Entry = Tensor | list[Tensor]
 LocalEntry = Tensor | list[Tensor] | Ref
 
-MAGIC = 0x746D_766C_0002  # "tmvl", protocol version 2
+MAGIC = 0x746D_766C_0003  # "tmvl", protocol version 3
 MAX_NDIM = 6
 ALIGN = 16  # bytes: enough for every dtype, complex128 included, to be viewed in place
 LABEL_WORDS = 3  # 24 bytes of the label travel in the record
 
 # Header words.
 H_MAGIC, H_CONTEXT, H_LABEL = 0, 1, 2
-H_FLAGS, H_N, H_ERROR, H_ERROR_ENTRY, H_WORDS = (H_LABEL + LABEL_WORDS + i for i in range(5))
-HEADER_LEN = H_WORDS + 1
+H_FLAGS, H_N, H_ERROR, H_ERROR_ENTRY, H_WORDS, H_CAP = (H_LABEL + LABEL_WORDS + i for i in range(6))
+HEADER_LEN = H_CAP + 1
 FLAG_GRAD = 2  # a local state carries a rank-local autograd graph: gather everything, as stock does, to keep it
 FLAG_DIFF = 4  # a differentiable sync (``sync_grads=True`` in grad mode): every rank must agree
 FLAG_INLINE = 8  # the record carries this rank's data after its slots (see ``_inline_words``)
@@ -134,10 +134,12 @@ def describe(
     flags: int = 0,
     aux: Sequence[int] | None = None,
     inline: bool = False,
+    cap: int = 0,
 ) -> list[int]:
     """This rank's metadata record: a header plus one slot per entry (``aux``: one word per entry, or zeros).
 
-    With ``inline``, small dense data rides along after the slots (``FLAG_INLINE``) where it can.
+    With ``inline``, small dense data rides along after the slots (``FLAG_INLINE``) where it can. ``cap`` is this
+    rank's transfer cap in bytes (see :mod:`torchmetrics_varlen._cap`); the plan takes the smallest of all ranks'.
     """
     error, error_entry = ERR_NONE, -1
     slots: list[int] = []
@@ -162,7 +164,7 @@ def describe(
     data = _inline_words(entries) if inline and error == ERR_NONE else None
     flags |= FLAG_INLINE if data is not None else 0
     words = record_words(len(entries)) + (len(data) if data is not None else 0)
-    header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry, words]
+    header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry, words, cap]
     return header + slots + (data or [])
 
 
@@ -381,6 +383,12 @@ def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None =
         raise SyncMismatchError(
             f"{what}: the ranks run with different `TORCHMETRICS_VARLEN_REDUCE` settings ({per_rank}); they would move"
             " the states by different collectives. Set the same value (or none) in every rank's environment."
+        )
+    invalid = (table[:, H_CAP] <= 0).nonzero().flatten().tolist()
+    if invalid:
+        raise SyncMismatchError(
+            f"{what}: expected `TORCHMETRICS_VARLEN_SYNC_CAP` to be a number of bytes of at least 1024 (such as"
+            f" '64MiB') but ranks {invalid} have a value that does not parse. Fix it, or unset it, on those ranks."
         )
     failing = (table[:, H_ERROR] != ERR_NONE).nonzero().flatten().tolist()
     if failing:

@@ -70,6 +70,7 @@ class Layout:
     # (stock sends ``torch.tensor([], dtype=self.dtype)`` for an empty `cat` list)
     empty: list[tuple[torch.dtype, torch.device] | None]
     device: torch.device  # the metrics' device (`metrics_device`): equal on every rank, never the states' own
+    cap: int | None = None  # the smallest `sync_cap` of the metrics, None when none has one (see `_cap`)
 
     def state_name(self, position: int) -> str:
         """``"<metric class>.<state>"`` of the entry at ``position``: error messages."""
@@ -111,6 +112,7 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
         classes=[type(metric).__name__ for metric in metrics],
         empty=[(metrics[i].dtype, metrics[i].device) if joined else None for (i, _), joined in zip(keys, cat)],
         device=metrics_device(metrics),
+        cap=min((cap for metric in metrics if (cap := getattr(metric, "sync_cap", None)) is not None), default=None),
     )
 
 
@@ -124,15 +126,18 @@ def sync_states(
     values: Sequence[StateDict] | None = None,
     differentiable: bool = False,
     dst: int | None = None,
+    cap: int | None = None,
 ) -> list[StateDict]:
     """Gather and reduce the states of ``metrics`` across ``group``.
 
     Returns one dict of reduced (global) states per metric. With ``dst``, only rank ``dst`` gets the states; the
     others get ``[]``. The local slot keeps this rank's own tensors, so their rank-local autograd graph survives; with
     ``differentiable`` the sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's
-    states carry a graph).
+    states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's).
     """
     layout = sync_layout(metrics, phase, values)
+    if cap is not None:
+        layout.cap = cap
     flags = _protocol.FLAG_DIFF if differentiable else 0
     synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase)
     assert synced is not None  # no `stop` given
@@ -178,6 +183,7 @@ def run_layout(
         grad="always" if phase == "step" else "if_graph",
         names=layout.state_name,
         device=device or layout.device,
+        cap=layout.cap,
     )
 
 

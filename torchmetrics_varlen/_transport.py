@@ -37,7 +37,7 @@ from torch import Tensor
 from torchmetrics_varlen import _notes, _plan, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_for
-from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
+from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
 
@@ -344,12 +344,57 @@ def _exchange_at(
 
 
 # ----------------------------------------------------------------------------------------------------- data
-def gather_rows(buffer: Tensor, group: ProcessGroup | None, wait: str, timeout: float | None, what: str) -> Tensor:
-    """Every rank's ``uint8`` buffer (equal sizes) as a ``[world_size, bytes]`` tensor."""
+def gather_rows(
+    buffer: Tensor,
+    group: ProcessGroup | None,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    output: Tensor | None = None,
+) -> Tensor:
+    """Every rank's ``uint8`` buffer (equal sizes) as a ``[world_size, bytes]`` tensor (``output``, if given)."""
     world_size = dist.get_world_size(group)
-    output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+    if output is None:
+        output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
     _finish(_gather_equal(output, buffer, group), group, wait, timeout, what, buffer.device.type)
     return output.view(world_size, buffer.numel())
+
+
+def broadcast_all(
+    sections: list[tuple[int, Tensor]], group: ProcessGroup | None, wait: str, timeout: float | None, what: str
+) -> None:
+    """Broadcast each ``(src, tensor)`` from rank ``src`` of ``group`` in place: all started at once, then waited for.
+
+    Every rank passes the same sources and sizes in the same order (they come from the plan).
+    """
+    works = [
+        dist.broadcast(tensor, src=_global_rank(group, src), group=group, async_op=True) for src, tensor in sections
+    ]
+    for work, (_, tensor) in zip(works, sections, strict=True):
+        _finish(work, group, wait, timeout, what, tensor.device.type)
+
+
+def agree_allocation(
+    failure: BaseException | None,
+    nbytes: int,
+    group: ProcessGroup | None,
+    device: torch.device,
+    wait: str,
+    timeout: float | None,
+    what: str,
+) -> None:
+    """One tiny all-gather of whether each rank could allocate what the sync receives; raise on all if one failed.
+
+    ``failure`` is this rank's allocation error, or None. Raises :class:`SyncMemoryError` naming the failing ranks
+    (this rank's error as the cause), on every rank alike, before any data moved.
+    """
+    world_size = dist.get_world_size(group)
+    local = torch.tensor([0 if failure is None else 1], dtype=torch.int64, device=device)
+    table = torch.empty(world_size, dtype=torch.int64, device=device)
+    _finish(_gather_equal(table, local, group), group, wait, timeout, f"{what} (memory check)", device.type)
+    failing = table.cpu().nonzero().flatten().tolist()
+    if failing:
+        raise SyncMemoryError(_memory_message(what, failing, nbytes, failure, group)) from failure
 
 
 _OPS = {_plan.OP_SUM: "SUM", _plan.OP_MAX: "MAX", _plan.OP_MIN: "MIN"}
@@ -448,6 +493,26 @@ def _exited_message(what: str, group: ProcessGroup | None, found: dict[str, Any]
         " `num_sanity_val_steps=0`), or the ranks ran different numbers of steps. Every rank must run the same syncs in"
         " the same order; the process group cannot be used any more."
     )
+
+
+def _memory_message(
+    what: str, failing: list[int], nbytes: int, failure: BaseException | None, group: ProcessGroup | None
+) -> str:
+    here = f" This rank ({dist.get_rank(group)}) got: {str(failure).strip().splitlines()[0]}." if failure else ""
+    return (
+        f"{what}: ranks {failing} could not allocate the {_readable(nbytes)} per rank that this sync receives into;"
+        f" no data has moved, and every rank raises this error.{here} Free memory on those ranks, or use"
+        " `torchmetrics_varlen.compute_on_rank(metric, dst=0)` so that only one rank receives the data. The transfer"
+        " cap (`sync_cap=`, `TORCHMETRICS_VARLEN_SYNC_CAP`) bounds what a sync allocates beyond its result, not the"
+        " result itself. The process group is unharmed."
+    )
+
+
+def _readable(nbytes: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _peer_message(what: str, group: ProcessGroup | None, error: str) -> str:

@@ -10,6 +10,7 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
 from torchmetrics_varlen import _transport
+from torchmetrics_varlen._cap import parse_cap
 from torchmetrics_varlen._state_sync import sync_states
 from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn, resolve_timeout
 
@@ -40,6 +41,8 @@ class MetricCollection(StockMetricCollection):
         postfix: as for :class:`torchmetrics.MetricCollection`.
         compute_groups: as for :class:`torchmetrics.MetricCollection`.
         sync_timeout: seconds to wait for the other ranks (see :class:`~torchmetrics_varlen.Metric`).
+        sync_cap: the transfer cap of the collection's syncs (see :class:`~torchmetrics_varlen.Metric`); None: the
+            smallest of the members' own, else the environment's or the default.
 
     Example:
         >>> import torch
@@ -59,9 +62,11 @@ class MetricCollection(StockMetricCollection):
         postfix: str | None = None,
         compute_groups: bool | list[list[str]] = True,
         sync_timeout: float | None = None,
+        sync_cap: int | str | None = None,
     ) -> None:
         super().__init__(metrics, *additional_metrics, prefix=prefix, postfix=postfix, compute_groups=compute_groups)
         self.sync_timeout = resolve_timeout(sync_timeout)
+        self.sync_cap = parse_cap(sync_cap, "sync_cap") if sync_cap is not None else None
         self._join_member_computes()
 
     def add_metrics(self, metrics: Any, *additional_metrics: StockMetric) -> None:
@@ -151,7 +156,14 @@ class MetricCollection(StockMetricCollection):
         syncs on its own and raises what it would have raised).
         """
         if members and _transport.world_of(None) is not None:
-            synced = sync_states(members, None, phase="collection", label="MetricCollection", timeout=self.sync_timeout)
+            synced = sync_states(
+                members,
+                None,
+                phase="collection",
+                label="MetricCollection",
+                timeout=self.sync_timeout,
+                cap=self.sync_cap,
+            )
         else:  # a group of one: nothing to exchange (stock members would still gather with themselves)
             synced = [{} for _ in members]
         for metric, states in zip(members, synced):

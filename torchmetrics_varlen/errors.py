@@ -1,11 +1,27 @@
 """Errors raised by the sync protocol.
 
-All three errors subclass :class:`RuntimeError`, so code that already catches the errors of ``torch.distributed``
+All four errors subclass :class:`RuntimeError`, so code that already catches the errors of ``torch.distributed``
 keeps working. Each is raised on every rank that takes part in the failing sync and is still alive, never on one
 rank alone.
 """
 
-__all__ = ["SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
+__all__ = ["SyncMemoryError", "SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
+
+
+class SyncMemoryError(RuntimeError):
+    """A rank could not allocate what a sync receives into; raised on every rank alike, before any data moved.
+
+    After the metadata exchange every rank knows how much the sync receives (the padded gather's rows, the results of
+    the states that move by broadcast); each allocates it, and when that is large (see "How the sync works") the ranks
+    exchange one word saying whether they could. So a rank that runs out of memory makes every rank raise this error
+    (naming the failing ranks; on the failing rank the allocator's error is the ``__cause__``) instead of leaving its
+    peers waiting for a collective it never enters. The process group stays usable.
+
+    Example:
+        >>> from torchmetrics_varlen import SyncMemoryError
+        >>> issubclass(SyncMemoryError, RuntimeError)
+        True
+    """
 
 
 class SyncMismatchError(RuntimeError):

@@ -16,6 +16,7 @@ from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
 
 from torchmetrics_varlen import _transport
+from torchmetrics_varlen._cap import parse_cap
 from torchmetrics_varlen._state_sync import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.join import JoinableMetric
@@ -86,6 +87,10 @@ class Metric(StockMetric, JoinableMetric):
             timer of ours: the backend's own timeout ends the wait.
         sync_grads: gather states differentiably across ranks, so gradients reach every rank's inputs (see the
             "Metrics as losses" docs page). Every rank must then run the backward pass.
+        sync_cap: the most bytes one collective of a sync moves, and how large its padded gather buffer may grow
+            (an int, or a string such as ``"64MiB"``); larger transfers move in chunks and by per-rank broadcasts
+            straight into the result. None takes ``TORCHMETRICS_VARLEN_SYNC_CAP``, else 256 MiB. The ranks use the
+            smallest of theirs. See "How the sync works".
         kwargs: the keyword arguments of :class:`torchmetrics.Metric` (``dist_sync_on_step``, ``process_group``, ...).
 
     Example:
@@ -117,13 +122,21 @@ class Metric(StockMetric, JoinableMetric):
         "_join_config",
     ]
 
-    def __init__(self, *, sync_timeout: float | None = None, sync_grads: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        sync_timeout: float | None = None,
+        sync_grads: bool = False,
+        sync_cap: int | str | None = None,
+        **kwargs: Any,
+    ) -> None:
         kwargs.setdefault("dist_sync_fn", gather_all_tensors)
         super().__init__(**kwargs)
         if not isinstance(sync_grads, bool):
             raise ValueError(f"Expected keyword argument `sync_grads` to be a `bool` but got {sync_grads!r}")
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
+        self.sync_cap = parse_cap(sync_cap, "sync_cap") if sync_cap is not None else None
         self._init_join()
 
     def __getstate__(self) -> dict[str, Any]:
