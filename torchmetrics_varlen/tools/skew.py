@@ -268,12 +268,14 @@ def plot_skew(row: Row, path: str) -> None:
         ax.bar([x - 0.2 for x in xs], big_vals, 0.4, label=f"rank {big} ({sizes[big]:,} samples)")
         ax.bar([x + 0.2 for x in xs], other_vals, 0.4, label="other ranks (largest)")
         ax.axhline(target, color="grey", linewidth=0.8, linestyle="--", label=f"target {target:g}x")
-        ax.set(ylabel=label, xticks=list(xs), xticklabels=names)
-        ax.legend(fontsize=7)
+        ax.set(ylabel=label, xticks=list(xs), xticklabels=names, ylim=(0, 1.45 * max(big_vals + other_vals + [target])))
+        ax.legend(fontsize=7, loc="upper left")
     axes[1].bar(xs, [row[side]["time_ratio"] for side in SIDES], 0.5, color="tab:green")
     axes[1].axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="target 1x")
+    times = [row[side]["time_ratio"] for side in SIDES]
     axes[1].set(ylabel="sync time / padded gather (slowest rank)", xticks=list(xs), xticklabels=names)
-    axes[1].legend(fontsize=7)
+    axes[1].set_ylim(0, 1.45 * max(times))
+    axes[1].legend(fontsize=7, loc="upper left")
     fig.suptitle(f"{row['world_size']} ranks, one holding {sizes[big] // max(min(sizes), 1)}x the others", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
@@ -286,14 +288,18 @@ def plot_memory(rows: Sequence[Row], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
     labels = [f"W={row['world_size']}\n{_mib(row['true_bytes'])} MiB" for row in rows]
     xs = range(len(rows))
-    for side, style in (("stock", "o--"), ("padded", "^:"), ("varlen", "s-")):
-        left.plot(xs, [row[side]["memory_ratio"] for row in rows], style, label=_name(side))
-        right.plot(xs, [row[side]["time_ratio"] for row in rows], style, label=_name(side))
+    # The padded gather's markers large and pale: ours often lies exactly on them.
+    for side, style, size in (("stock", "o--", 6), ("padded", "^:", 12), ("varlen", "s-", 6)):
+        for ax, key in ((left, "memory_ratio"), (right, "time_ratio")):
+            values = [row[side][key] for row in rows]
+            ax.plot(xs, values, style, markersize=size, alpha=0.5 if side == "padded" else 1.0, label=_name(side))
     targets = [MEMORY_TARGET + (row["cap"] or 0) / row["true_bytes"] for row in rows]
     left.plot(xs, targets, "_", color="grey", markersize=18, label="target (1.2x + cap)")
     left.set(ylabel="peak extra memory of sync() / result", xticks=list(xs), xticklabels=labels)
-    right.set(ylabel="sync time / padded gather", xticks=list(xs), xticklabels=labels)
-    left.legend(fontsize=7)
+    right.set(ylabel="sync time / padded gather (slowest rank)", xticks=list(xs), xticklabels=labels)
+    for ax in (left, right):
+        ax.set_ylim(0, 1.3 * max(line.get_ydata().max() for line in ax.get_lines()))  # type: ignore[union-attr]
+    left.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
