@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the large-state cases: a skewed cat state (bytes, time, peak memory per rank; stock, padded gather, ours)"
         " and the memory of sync() alone (default: on; --no-skew skips them)",
     )
-    bench.add_argument("--skew-world-size", type=int, default=8, help="ranks of the skew case (default 8, quick 4)")
+    bench.add_argument(
+        "--skew-world-size", type=int, default=8, help="ranks of the skew case (default 8; --quick: at most 4)"
+    )
     bench.add_argument("--skew-base", type=int, default=None, help="samples per rank (default 250k, quick 20k)")
     bench.add_argument("--skew-factor", type=int, default=8, help="the big rank holds this times the base (8)")
     bench.add_argument(

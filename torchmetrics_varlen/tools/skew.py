@@ -328,7 +328,7 @@ def sibling(path: str, suffix: str) -> str:
 
 
 def memory_configs(quick: bool) -> list[tuple[int, list[int]]]:
-    """World sizes and per-rank sizes of the memory case: 16 and 64 MiB results on 2 ranks, 64 MiB on 4 (quick: 1.5)."""
+    """World sizes and per-rank sizes of the memory case: 4M and 16M samples on 2 ranks, 16M on 4 (quick: 400k on 2)."""
     totals = [(2, 400_000)] if quick else [(2, 4_000_000), (2, 16_000_000), (4, 16_000_000)]
     return [(world, even_sizes(world, total)) for world, total in totals]
 
