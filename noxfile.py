@@ -65,7 +65,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Stock torchmetrics vs torchmetrics_varlen, side by side in one run; then the scale benchmark (bytes vs ranks)."""
+    """Stock vs ours side by side in one run (with the skew and sync-memory cases); then the scale benchmark."""
     _install(session, ".[bench]")
     session.run(
         "python",

@@ -13,6 +13,8 @@ from typing import Any
 STATIC = Path(__file__).resolve().parent / "_static"
 PROTOCOL_PNG = STATIC / "protocol.png"
 BENCH_PNG = STATIC / "bench.png"
+# Written by the same benchmark run beside bench.png: the skew case and the memory of sync() alone.
+BENCH_SIBLING_PNGS = (STATIC / "bench_skew.png", STATIC / "bench_sync_memory.png")
 
 # One colour per rank's data; padding is hatched grey; collectives are dark bands across every rank.
 RANK_COLOURS = ("#4c78a8", "#f58518", "#54a24b")
@@ -228,8 +230,9 @@ def ensure_figures() -> list[Path]:
     drawn = []
     if not PROTOCOL_PNG.exists():
         drawn.append(draw_protocol())
-    if not BENCH_PNG.exists():
-        drawn.append(draw_bench_placeholder())
+    for path in (BENCH_PNG, *BENCH_SIBLING_PNGS):
+        if not path.exists():
+            drawn.append(draw_bench_placeholder(path))
     return drawn
 
 

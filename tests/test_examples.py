@@ -38,8 +38,9 @@ def test_bench_quick_runs_and_reports_at_most_two_collectives(tmp_path):
     """The benchmark command end to end (small sizes): its JSON and table, not its timings."""
     import json
 
-    json_path, table_path = tmp_path / "bench.json", tmp_path / "table.rst"
+    json_path, table_path, plot_path = tmp_path / "bench.json", tmp_path / "table.rst", tmp_path / "bench.png"
     args = ["--quick", "--repeats", "2", "--memory-samples", "100000", "--json", str(json_path)]
+    args += ["--plot", str(plot_path), "--skew-world-size", "3", "--skew-base", "2000", "--skew-factor", "4"]
     out = _run([sys.executable, "-m", "torchmetrics_varlen", "bench", *args, "--table", str(table_path)], timeout=300)
     result = json.loads(json_path.read_text())
     cases = {row["case"]: row for row in result["rows"]}
@@ -51,3 +52,12 @@ def test_bench_quick_runs_and_reports_at_most_two_collectives(tmp_path):
     values = memory["all_gather"]["value"] + memory["one_rank"]["value"]
     assert len(set(values)) == 1, values  # the same AUROC on every rank, by both paths
     assert table_path.read_text().startswith("::\n") and "compute_on_rank(dst=0)" in out
+    # The large-state cases: the skew case on the ranks asked for, the memory case; their tables and plots beside.
+    skew, sync_memory = result["large"]["skew"], result["large"]["sync_memory"]
+    assert skew["sizes"] == [2000, 2000, 8000] and skew["true_bytes"] == 12000 * 4
+    assert skew["padded"]["received"] == [3 * 8000 * 4] * 3  # W x the largest, on every rank
+    assert [row["world_size"] for row in sync_memory] == [2] and sum(sync_memory[0]["sizes"]) == 400_000
+    for suffix in ("skew", "sync_memory"):
+        assert (tmp_path / f"table_{suffix}.rst").read_text().startswith("::\n")
+        assert (tmp_path / f"bench_{suffix}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Skewed cat state: 3 gloo ranks" in out and "Memory of sync() alone" in out

@@ -62,4 +62,4 @@ def test_scale_flag_is_listed():
     result = subprocess.run(
         [sys.executable, "-m", "torchmetrics_varlen", "bench", "--help"], cwd=ROOT, capture_output=True, text=True
     )
-    assert result.returncode == 0 and "--scale" in result.stdout
+    assert result.returncode == 0 and "--scale" in result.stdout and "--no-skew" in result.stdout

@@ -25,6 +25,18 @@ def main(argv: list[str] | None = None) -> int:
         help="samples of the memory case (BinaryAUROC, all-gather vs one-rank compute; default 4M, 0 skips it)",
     )
     bench.add_argument(
+        "--skew",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the large-state cases: a skewed cat state (bytes, time, peak memory per rank; stock, padded gather, ours)"
+        " and the memory of sync() alone (default: on; --no-skew skips them)",
+    )
+    bench.add_argument(
+        "--skew-world-size", type=int, default=8, help="ranks of the skew case (default 8; --quick: at most 4)"
+    )
+    bench.add_argument("--skew-base", type=int, default=None, help="samples per rank (default 250k, quick 20k)")
+    bench.add_argument("--skew-factor", type=int, default=8, help="the big rank holds this times the base (8)")
+    bench.add_argument(
         "--scale",
         action="store_true",
         help="the scale benchmark instead: bytes per rank vs world size, planner time, small-metric latency",
@@ -44,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.memory_samples is not None and args.memory_samples < 0:
         parser.error(f"Expected `--memory-samples` to be 0 or more but got {args.memory_samples}")
+    for flag, value, least in (("--skew-world-size", args.skew_world_size, 2), ("--skew-base", args.skew_base, 1)):
+        if value is not None and value < least:
+            parser.error(f"Expected `{flag}` to be at least {least} but got {value}")
+    if args.skew_factor < 1:
+        parser.error(f"Expected `--skew-factor` to be at least 1 but got {args.skew_factor}")
+    skew = {"world_size": args.skew_world_size, "base": args.skew_base, "factor": args.skew_factor}
     return int(
         bench_main(
             args.world_size,
@@ -53,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             args.quick,
             args.table_path,
             args.memory_samples,
+            skew if args.skew else None,
         )
     )
 

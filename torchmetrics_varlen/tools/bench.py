@@ -279,12 +279,18 @@ def main(
     quick: bool,
     table_path: str | None = None,
     memory_samples: int | None = None,
+    skew: dict[str, Any] | None = None,
 ) -> int:
     """Entry point of ``python -m torchmetrics_varlen bench``.
 
     ``memory_samples`` (default 4M, 400k with ``quick``; 0 skips it) sizes the memory case: ``BinaryAUROC`` computed
     by all-gather and by :func:`~torchmetrics_varlen.compute_on_rank`, peak resident memory per rank. It needs at
     least 2 ranks.
+
+    ``skew``: keyword arguments of :func:`torchmetrics_varlen.tools.skew.run` (``world_size``, ``base``, ``factor``)
+    for the skew case and the memory case of ``sync()`` alone, run in their own processes after the others; ``None``
+    skips both. Their tables and plots go beside ``table_path`` and ``plot_path`` (``<name>_skew``,
+    ``<name>_sync_memory``), their results into the JSON under ``"large"``.
     """
     from torchmetrics_varlen.tools._launch import WorkerPool
     from torchmetrics_varlen.tools._memory import measure_sync_memory
@@ -304,10 +310,15 @@ def main(
     if memory is not None:
         table += "\n\n" + format_memory_table(memory)
     print(table)
+    large = None
+    if skew is not None:
+        from torchmetrics_varlen.tools import skew as large_states
+
+        large = large_states.run(quick, table_path=table_path, plot_path=plot_path, **skew)
     if table_path:
         with open(table_path, "w") as out:  # a literal block, included by docs/benchmarks.rst
             out.write("::\n\n" + "\n".join(f"    {line}".rstrip() for line in table.splitlines()) + "\n")
-    result = {"world_size": world_size, "repeats": repeats, "rows": rows, "memory": memory}
+    result = {"world_size": world_size, "repeats": repeats, "rows": rows, "memory": memory, "large": large}
     print(json.dumps(result, indent=1))
     if json_path:
         with open(json_path, "w") as out:

@@ -48,14 +48,31 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _own_bytes(name: str, arguments: Mapping[str, Any], out: int) -> int:
+    """The part of a collective's output that this rank does not receive from a peer (its own slot, or a root's)."""
+    group = arguments.get("group")
+    if name in ("all_gather_into_tensor", "all_gather_single", "_all_gather_base"):
+        return out // dist.get_world_size(group)
+    if name == "all_gather":
+        return _nbytes(arguments["tensor_list"][dist.get_rank(group)])
+    if name == "broadcast":  # the root only sends: its buffer is its own data
+        return out if arguments.get("src") == dist.get_rank() else 0
+    if name == "gather" and out:  # only the destination has a list
+        return _nbytes(arguments["gather_list"][dist.get_rank(group)])
+    return 0  # a reduction's result comes from every rank
+
+
 class ByteMeter:
     """Counts the collectives issued while active, the bytes they receive and the collective buffers they use.
 
     ``received`` sums each collective's output buffers (an all-gather's ``world_size x`` its input, an all-reduce's
-    buffer, a gather's list on the destination rank). ``buffers`` sums every collective's output and (separate)
+    buffer, a gather's list on the destination rank, a broadcast's buffer on every rank, the root's included): what
+    a rank receives and allocates. ``from_peers`` is the part of it that came from other ranks (no own slot of a
+    gather, nothing on a broadcast's root). ``buffers`` sums every collective's output and (separate)
     input buffers over the whole block: an upper bound of the peak collective memory, and what both libraries
     really hold, since each keeps every received buffer of a sync until it reduces the states. ``largest`` is the
-    largest single collective's output plus input. Calls nested inside another wrapped call count once.
+    largest single collective's output plus input. ``calls`` lists ``(name, received bytes)`` per collective, in
+    order. Calls nested inside another wrapped call count once.
 
     Example:
         >>> with ByteMeter() as meter:
@@ -69,6 +86,8 @@ class ByteMeter:
         self.received = 0
         self.buffers = 0
         self.largest = 0
+        self.from_peers = 0
+        self.calls: list[tuple[str, int]] = []
         self._originals: dict[str, Callable[..., Any]] = {}
         self._depth = 0
 
@@ -92,6 +111,8 @@ class ByteMeter:
                 self.received += out
                 self.buffers += out + sent
                 self.largest = max(self.largest, out + sent)
+                self.from_peers += out - _own_bytes(name, bound, out)
+                self.calls.append((name, out))
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
