@@ -34,8 +34,17 @@ def allocate(plan: Plan, device: torch.device) -> dict[int, Tensor]:
     return buffers
 
 
-def fill_own(entries: Sequence[LocalEntry], plan: Plan, rank: int, buffers: dict[int, Tensor]) -> None:
-    """Copy this rank's data of each broadcast entry into its section (the source of its own broadcast)."""
+def own_data(
+    entries: Sequence[LocalEntry], plan: Plan, rank: int, buffers: dict[int, Tensor]
+) -> tuple[dict[int, Tensor], list[tuple[Tensor, Tensor]]]:
+    """This rank's data of each broadcast entry, as the source of its own broadcast: ``(sources, later)``.
+
+    A state held as one contiguous tensor of the buffer's dtype and device is broadcast from itself, and its copy into
+    its section of the result is returned in ``later`` (``(section, tensor)`` pairs), to run while the broadcasts are
+    in flight. Any other (a list of several items, another device) is copied into its section now, the source.
+    """
+    sources: dict[int, Tensor] = {}
+    later: list[tuple[Tensor, Tensor]] = []
     with torch.no_grad():
         for index, buffer in buffers.items():
             entry, numels = entries[index], plan.entries[index].numels
@@ -46,16 +55,34 @@ def fill_own(entries: Sequence[LocalEntry], plan: Plan, rank: int, buffers: dict
             start = int(numels[:rank].sum())
             own = buffer[start : start + count]
             items = [entry] if isinstance(entry, Tensor) else [item for item in entry if item.numel() > 0]
-            if len(items) == 1:
+            if len(items) == 1 and _sendable(items[0], own):
+                sources[index] = flat = items[0].detach().reshape(-1)
+                later.append((own, flat))
+            elif len(items) == 1:
                 own.copy_(items[0].reshape(-1))
+                sources[index] = own
             else:
                 torch.cat([item.reshape(-1).to(own.device) for item in items], out=own)
+                sources[index] = own
+    return sources, later
 
 
-def sections(plan: Plan, buffers: dict[int, Tensor]) -> list[tuple[int, Tensor]]:
+def _sendable(tensor: Tensor, section: Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.dtype == section.dtype and tensor.device == section.device
+
+
+def copy_later(later: list[tuple[Tensor, Tensor]]) -> None:
+    """The copies :func:`own_data` left for later: this rank's data into its sections of the results."""
+    with torch.no_grad():
+        for section, tensor in later:
+            section.copy_(tensor)
+
+
+def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[tuple[int, Tensor]]:
     """The ``(source rank, tensor)`` of every broadcast, in the order every rank issues them.
 
-    Per entry, per rank holding data: its section, split into chunks of at most ``plan.cap`` bytes.
+    Per entry, per rank holding data: its section (this rank's own: its source), in chunks of at most ``plan.cap``
+    bytes.
     """
     out: list[tuple[int, Tensor]] = []
     for index, buffer in buffers.items():
@@ -63,6 +90,8 @@ def sections(plan: Plan, buffers: dict[int, Tensor]) -> list[tuple[int, Tensor]]
         chunk = max(1, plan.cap // buffer.element_size())
         start = 0
         for src, count in enumerate(numels):
-            out += [(src, part) for part in torch.split(buffer[start : start + count], chunk)] if count else []
+            if count:
+                section = sources[index] if src == rank else buffer[start : start + count]
+                out += [(src, part) for part in torch.split(section, chunk)]
             start += count
     return out

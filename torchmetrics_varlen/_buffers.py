@@ -289,14 +289,18 @@ def _joined(
     entries = [plan.entries[index] for index in indices]
     listed = [eplan.kind == KIND_LIST for eplan in entries]
     counts = torch.stack([eplan.numels for eplan in entries])  # [k, W]
-    items = torch.stack([eplan.items for eplan in entries])
-    # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
-    holds = torch.where(torch.tensor(listed).unsqueeze(1), items, counts) > 0
-    trailing = _common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
+    key = ("joined", *indices)
+    found = plan.memo.get(key)
+    if found is None:
+        items = torch.stack([eplan.items for eplan in entries])
+        # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
+        holds = torch.where(torch.tensor(listed).unsqueeze(1), items, counts) > 0
+        shapes = _common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
+        found = plan.memo[key] = (shapes, any_along(holds, dim=1).tolist())
+    trailing: list[tuple[int, ...] | None] = found[0]  # type: ignore[index]
+    held_any: list[bool] = found[1]  # type: ignore[index]
     pending: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
-    for position, (index, eplan, shape, held) in enumerate(
-        zip(indices, entries, trailing, any_along(holds, dim=1).tolist(), strict=True)
-    ):
+    for position, (index, eplan, shape, held) in enumerate(zip(indices, entries, trailing, held_any, strict=True)):
         if listed[position] and not held:
             out[index] = Joined(None)
         elif shape is None:

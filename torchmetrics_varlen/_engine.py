@@ -20,6 +20,7 @@ at least ``AGREE_MIN_BYTES``, one tiny all-gather in which every rank says wheth
 of memory makes every rank raise :class:`~torchmetrics_varlen.SyncMemoryError` instead of hanging its peers.
 """
 
+import functools
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -196,9 +197,10 @@ class _Step:
             else:
                 rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what)
         if received:
-            _broadcast.fill_own(self.entries, plan, self.rank, received)
-            sections = _broadcast.sections(plan, received)
-            _transport.broadcast_all(sections, self.group, wait, self.timeout, self.what)
+            sources, later = _broadcast.own_data(self.entries, plan, self.rank, received)
+            sections = _broadcast.sections(plan, received, sources, self.rank)
+            meanwhile = functools.partial(_broadcast.copy_later, later)  # this rank's copy, while the data moves
+            _transport.broadcast_all(sections, self.group, wait, self.timeout, self.what, meanwhile)
         if self.dst is not None and self.rank != self.dst:
             return []
         results = _buffers.unpack(rows, plan, self.devices, self.cat, received)

@@ -125,6 +125,9 @@ class Plan:
     inline: bool = False  # every rank's data came in its record (``FLAG_INLINE``): no data step
     broadcast: list[int] = field(default_factory=list)  # the entries on ROUTE_BCAST, in order
     cap: int = 0  # the smallest transfer cap of the ranks (bytes): the most one broadcast moves
+    # Derived facts that unpacking computes from the plan alone (a cached plan is unpacked again and again). Filled
+    # lazily; two threads may fill one key, with the same value.
+    memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def alloc_bytes(self) -> int:

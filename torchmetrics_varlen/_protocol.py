@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchmetrics_varlen._cap import DEFAULT_CAP
 from torchmetrics_varlen.errors import SyncMismatchError
 
 
@@ -134,7 +135,7 @@ def describe(
     flags: int = 0,
     aux: Sequence[int] | None = None,
     inline: bool = False,
-    cap: int = 0,
+    cap: int = DEFAULT_CAP,
 ) -> list[int]:
     """This rank's metadata record: a header plus one slot per entry (``aux``: one word per entry, or zeros).
 

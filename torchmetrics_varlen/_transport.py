@@ -361,15 +361,23 @@ def gather_rows(
 
 
 def broadcast_all(
-    sections: list[tuple[int, Tensor]], group: ProcessGroup | None, wait: str, timeout: float | None, what: str
+    sections: list[tuple[int, Tensor]],
+    group: ProcessGroup | None,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """Broadcast each ``(src, tensor)`` from rank ``src`` of ``group`` in place: all started at once, then waited for.
 
-    Every rank passes the same sources and sizes in the same order (they come from the plan).
+    Every rank passes the same sources and sizes in the same order (they come from the plan). ``meanwhile`` runs
+    once they are started, before the wait.
     """
     works = [
         dist.broadcast(tensor, src=_global_rank(group, src), group=group, async_op=True) for src, tensor in sections
     ]
+    if meanwhile is not None:
+        meanwhile()
     for work, (_, tensor) in zip(works, sections, strict=True):
         _finish(work, group, wait, timeout, what, tensor.device.type)
 

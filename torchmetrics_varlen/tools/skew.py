@@ -31,7 +31,6 @@ SIDES = ("stock", "padded", "varlen")
 ITEM_BYTES = 4  # float32
 BYTES_TARGET = 1.25  # issue 22: bytes received per rank over the true total, one rank holding 8x the others
 MEMORY_TARGET = 1.2  # issue 22: peak extra memory of a sync over the synced result (plus the engine's cap)
-_CAP_NAMES = ("memory_cap", "MEMORY_CAP", "DEFAULT_MEMORY_CAP", "DEFAULT_CAP_BYTES", "CAP_BYTES", "DEFAULT_CAP")
 
 
 def skew_sizes(world_size: int, base: int, factor: int, big_rank: int | None = None) -> list[int]:
@@ -55,21 +54,11 @@ def even_sizes(world_size: int, total: int) -> list[int]:
     return [total // world_size + (rank < total % world_size) for rank in range(world_size)]
 
 
-def engine_cap() -> int | None:
-    """The engine's memory cap in bytes (beyond the result) if ``_policy`` or ``_plan`` exposes one, else ``None``."""
-    from torchmetrics_varlen import _plan, _policy
+def engine_cap() -> int:
+    """The transfer cap in bytes this process syncs with (``TORCHMETRICS_VARLEN_SYNC_CAP``, else the default)."""
+    from torchmetrics_varlen._cap import resolve_cap
 
-    for module in (_policy, _plan):
-        for name in _CAP_NAMES:
-            value = getattr(module, name, None)
-            if callable(value):
-                try:
-                    value = value()
-                except TypeError:  # needs arguments: not a default this benchmark can read
-                    continue
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+    return resolve_cap()
 
 
 def _synced_numel(metric: Any) -> int:
