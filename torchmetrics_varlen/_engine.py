@@ -178,7 +178,7 @@ class _Step:
         try:
             reduced = _buffers.pack_reduced(self.entries, plan, device)
             received = _broadcast.allocate(plan, device)
-            if plan.max_bytes > 0 and self.dst is None:
+            if plan.max_bytes > 0 and self.dst in (None, self.rank):  # to one rank: only that rank receives
                 output = _broadcast.empty(plan.world_size * plan.max_bytes, torch.uint8, device)
         except (RuntimeError, MemoryError) as err:  # an allocator's error: CPU, CUDA (torch.OutOfMemoryError) alike
             if not agree:
@@ -195,7 +195,7 @@ class _Step:
             if self.dst is None:
                 rows = _transport.gather_rows(buffer, self.group, wait, self.timeout, self.what, output)
             else:
-                rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what)
+                rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what, output)
         if received:
             sources, later = _broadcast.own_data(self.entries, plan, self.rank, received)
             sections = _broadcast.sections(plan, received, sources, self.rank)

@@ -425,13 +425,23 @@ def _global_rank(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def gather_to_rank(buffer: Tensor, dst: int, group: Any, wait: str, timeout: float | None, what: str) -> Tensor | None:
-    """Every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only: ``[world_size, bytes]`` there."""
+def gather_to_rank(
+    buffer: Tensor, dst: int, group: Any, wait: str, timeout: float | None, what: str, output: Tensor | None = None
+) -> Tensor | None:
+    """Every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only: ``[world_size, bytes]`` there.
+
+    ``output``: rank ``dst``'s receive buffer (``world_size x bytes``), if allocated already.
+    """
     rank = dist.get_rank(group)
-    output = rows = None
+    rows = None
     if rank == dst:
-        output = torch.empty(dist.get_world_size(group), buffer.numel(), dtype=torch.uint8, device=buffer.device)
+        world_size = dist.get_world_size(group)
+        if output is None:
+            output = torch.empty(world_size * buffer.numel(), dtype=torch.uint8, device=buffer.device)
+        output = output.view(world_size, buffer.numel())
         rows = list(output.unbind(0))
+    else:
+        output = None
     work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, buffer.device.type)
     return output

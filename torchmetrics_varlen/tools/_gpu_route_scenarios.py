@@ -1,0 +1,76 @@
+"""GPU check scenarios of the data routes for large and skewed states (issue 22), each a function every rank runs.
+
+On NCCL the broadcast route moves CUDA slices of the result by ``broadcast``, chunked by the transfer cap, and the
+memory check is an ``all_gather`` of one word per rank on the job's device: neither can run in CI. In ``--cpu`` mode
+the same code runs with CPU states on gloo, so CI covers it.
+"""
+
+import torch
+from torchmetrics.aggregation import CatMetric
+from torchmetrics.classification import BinaryAUROC
+from torchmetrics.functional.classification import binary_auroc
+
+import torchmetrics_varlen as tv
+from torchmetrics_varlen import _broadcast, _engine
+from torchmetrics_varlen.tools._gpu_scenarios import Ctx, Scenario, _close, _on
+
+__all__ = ["SCENARIOS"]
+
+
+def _skewed(world_size: int, small: int) -> list[int]:
+    """Rank 0 holds 8x the others; the last rank of three or more holds nothing."""
+    return [small * 8 if rank == 0 else 0 if rank == world_size - 1 > 1 else small for rank in range(world_size)]
+
+
+def _skewed_broadcast(ctx: Ctx) -> str:
+    sizes = _skewed(ctx.world_size, 200_000)  # rank 0: 6.1 MiB per float32 state, past NCCL's 4 MiB threshold too
+    gen = torch.Generator().manual_seed(22)
+    preds, target = torch.rand(sum(sizes), generator=gen), torch.randint(0, 2, (sum(sizes),), generator=gen)
+    auroc = tv.rebase(BinaryAUROC)(thresholds=None).to(ctx.device)
+    values = tv.rebase(CatMetric)(sync_cap="1MiB").to(ctx.device)  # chunks of 1 MiB
+    local_preds, local_target = ctx.local((preds, target), sizes)
+    if sizes[ctx.rank]:
+        auroc.update(local_preds, local_target)
+        values.update(local_preds)
+    got = auroc.compute()
+    _close("BinaryAUROC", got, binary_auroc(preds, target, thresholds=None))
+    _on("BinaryAUROC", got, ctx.device)
+    joined = values.compute()
+    _close("CatMetric", joined, preds, rtol=0, atol=0)
+    _on("CatMetric", joined, ctx.device)
+    return f"skewed cat states by per-rank broadcasts (1 MiB chunks), samples per rank {sizes}: as one process"
+
+
+def _allocation_fails(ctx: Ctx) -> str:
+    sizes = [_engine.AGREE_MIN_BYTES // 4 // ctx.world_size + 1000] * ctx.world_size
+    gen = torch.Generator().manual_seed(23)
+    data = torch.rand(sum(sizes), generator=gen)
+    metric = tv.rebase(CatMetric)().to(ctx.device)
+    (local,) = ctx.local((data,), sizes)
+    metric.update(local)
+    original = _broadcast.empty
+
+    def refuse(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        raise torch.OutOfMemoryError(f"CUDA out of memory (forced by the check): {numel} elements of {dtype}")
+
+    failing = ctx.world_size - 1
+    if ctx.rank == failing:
+        _broadcast.empty = refuse
+    message = ""
+    try:
+        metric.compute()
+    except tv.SyncMemoryError as err:
+        message = str(err)
+    finally:
+        _broadcast.empty = original
+    if f"ranks [{failing}] could not allocate" not in message:
+        raise AssertionError(f"expected SyncMemoryError naming rank {failing} on every rank, got {message!r}")
+    metric._computed = None
+    _close("CatMetric after the failure", metric.compute(), data, rtol=0, atol=0)
+    return f"rank {failing} failed to allocate: every rank raised SyncMemoryError; the next sync was exact"
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("skewed-broadcast", "a skewed cat state by per-rank broadcasts, chunked by the cap", _skewed_broadcast),
+    Scenario("allocation-fails", "one rank cannot allocate: SyncMemoryError on every rank", _allocation_fails),
+)
