@@ -106,6 +106,8 @@ def test_sync_flags_and_caches_have_their_initial_values():
         assert hasattr(metric, name), _fail(f"Metric.{name}")
     assert metric._is_synced is False, _fail("Metric._is_synced default")
     assert metric._cache is None, _fail("Metric._cache default")
+    # `Metric.sync`/`unsync` write the flag, the cache and the states straight into the instance dict
+    assert {"_is_synced", "_cache"} <= set(vars(metric)), _fail("Metric._is_synced / _cache as plain attributes")
     assert metric._computed is None, _fail("Metric._computed default")
     assert metric._forward_cache is None, _fail("Metric._forward_cache default")
     assert metric._should_unsync is True, _fail("Metric._should_unsync default")

@@ -10,6 +10,7 @@ on the same device, so states on any device take the same path.
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -175,19 +176,36 @@ def unpack_inline(table: Tensor, described: int, plan: Plan) -> list[Result | No
     sync runs this at every step, and numpy views cost a fraction of tensor operations. Every inline entry is on the
     CPU. A dtype numpy lacks (``bfloat16``) takes the tensor way.
     """
-    if any(group.dtype not in NUMPY_DTYPES for group in plan.groups):
+    cuts = inline_cuts(plan)
+    if cuts is None:
         rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
         return unpack(rows, plan, [torch.device("cpu")] * len(plan.entries))
-    raw = table.numpy()[:, described:].view("u1")
-    world = plan.world_size
-    results: list[Result | None] = [None] * len(plan.entries)
+    return cut_inline(table.numpy(), described, cuts, len(plan.entries))
+
+
+Cut = tuple[int, Any, int, int, tuple[int, ...]]  # entry, numpy dtype, first and last data byte, [world_size, *shape]
+
+
+def inline_cuts(plan: Plan) -> list[Cut] | None:
+    """Where each dense entry of an inline plan lies in a record's data bytes; None for a dtype numpy lacks."""
+    if any(group.dtype not in NUMPY_DTYPES for group in plan.groups):
+        return None
+    cuts: list[Cut] = []
     for group in plan.groups:
-        block = raw[:, group.start : group.start + group.nbytes].view(NUMPY_DTYPES[group.dtype])
-        start = 0
+        start, size = group.start, group.dtype.itemsize
         for index, numel in zip(group.indices, group.numels):
-            part = block[:, start : start + numel].reshape(world, *plan.entries[index].shape)
-            results[index] = Stacked(torch.from_numpy(part))
-            start += numel
+            shape = (plan.world_size, *plan.entries[index].shape)
+            cuts.append((index, NUMPY_DTYPES[group.dtype], start, start + numel * size, shape))
+            start += numel * size
+    return cuts
+
+
+def cut_inline(words: Any, described: int, cuts: Sequence[Cut], count: int) -> list[Result | None]:
+    """The entries ``cuts`` names, cut out of the data bytes after the first ``described`` words of each row."""
+    raw = words[:, described:].view("u1")
+    results: list[Result | None] = [None] * count
+    for index, dtype, start, stop, shape in cuts:
+        results[index] = Stacked(torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape)))
     return results
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _broadcast, _buffers, _cap, _plan, _policy, _protocol, _transport
+from torchmetrics_varlen import _broadcast, _buffers, _cap, _plan, _policy, _protocol, _repeat, _transport
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry, Ref
@@ -132,18 +132,33 @@ def run(
     # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
     flags |= _protocol.REDUCE_FLAGS[policy.reduce]
     cap = cap if cap is not None else _cap.resolve_cap()
-    record = _protocol.describe(entries, context, label, flags, aux, inline, cap)
+    broadcast_min = None if dst is not None else policy.broadcast_min  # to one rank: one gather, as before
+    # A small sync repeated with the same metadata builds its record from what it learnt (see _repeat). The cap
+    # travels in the header and the broadcast threshold shapes the plan: both are part of what is learnt.
+    key = (context, label, flags, cap, broadcast_min) if inline and stop is None else None
+    template = _repeat.lookup(key) if key is not None else None
+    record: Sequence[int] | None = None
+    if template is not None:
+        record = _repeat.record(template, entries, aux, ops, cat, grad)
+    if record is None:
+        template = None
+        record = _protocol.describe(entries, context, label, flags, aux, inline, cap)
     table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
         return None
     words = table.numpy()  # at least the group's first record length: the header is there
     described = _protocol.record_words(int(words[0, _protocol.H_N]))
+    if template is not None:  # every rank sees the same table, so every rank takes the same branch
+        learnt = _repeat.results(template, words, described)
+        if learnt is not None:
+            return Synced(template.plan, learnt, rank)
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
-    broadcast_min = None if dst is not None else policy.broadcast_min  # to one rank: one gather, as before
     plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat, names, broadcast_min)
     if plan.inline:  # the data came with the records: cut it out of the table
+        if key is not None:
+            _repeat.learn(key, entries, record, aux, ops, cat, grad, words, described, plan)
         return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
     devices = [entry_device(entry, device or local or policy.device) for entry in entries]
     step = _Step(entries, plan, group, rank, policy, devices, cat, timeout, what, dst)

@@ -16,6 +16,7 @@ No rank branches on its local data before step 3, so no rank can skip a collecti
 
 import array
 import functools
+import math
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -146,17 +147,22 @@ def describe(
     slots: list[int] = []
     for index, entry in enumerate(entries):
         word = aux[index] if aux is not None else 0
-        if isinstance(entry, Ref):
+        if isinstance(entry, Tensor):
+            problem, head, numel, dims = _tensor_slot(entry.layout, entry.dtype, entry.shape)
+            if problem == ERR_NONE:
+                slots += (head, numel, word, *dims)
+                continue
+        elif isinstance(entry, Ref):
             slots += _pack_slot(KIND_REF, 0, 0, entry.index, word, ())
             continue
-        problem = _entry_problem(entry)
+        else:
+            problem = _entry_problem(entry)
         if problem != ERR_NONE:
             if error == ERR_NONE:  # the first problem is the one reported
                 error, error_entry = problem, index
             slots += _pack_slot(0, 0, 0, 0, word, ())
-        elif isinstance(entry, Tensor):
-            slots += _pack_slot(KIND_TENSOR, _DTYPE_CODE[entry.dtype], entry.numel(), 1, word, entry.shape)
-        else:
+        else:  # a list: `_entry_problem` found no other kind
+            assert isinstance(entry, list)
             nonempty = [t for t in entry if t.numel() > 0]
             dtype_code = _DTYPE_CODE[(nonempty or entry)[0].dtype] if entry else 0
             numel = sum(t.numel() for t in entry)
@@ -169,6 +175,19 @@ def describe(
     return header + slots + (data or [])
 
 
+@functools.lru_cache(maxsize=1024)
+def _tensor_slot(layout: torch.layout, dtype: torch.dtype, shape: torch.Size) -> tuple[int, int, int, tuple[int, ...]]:
+    """A tensor's problem code, and its slot's head word, element count and dim words (``_pack_slot``), kept.
+
+    Every sync describes every state; states keep their dtype and shape from step to step.
+    """
+    problem = _tensor_problem(layout, dtype, shape)
+    if problem != ERR_NONE:
+        return problem, 0, 0, ()
+    head, numel, _, *dims = _pack_slot(KIND_TENSOR, _DTYPE_CODE[dtype], math.prod(shape), 1, 0, shape)
+    return ERR_NONE, head, numel, tuple(dims)
+
+
 def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     """This rank's data laid out as the plan lays out dense groups (by dtype, 16-byte aligned), as int64 words.
 
@@ -176,23 +195,31 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
     small sync (a per-step metric), so the bytes are read through numpy, not assembled with tensor operations.
     """
     tensors: list[Tensor] = []
+    items: list[tuple[torch.dtype, int]] = []
     for entry in entries:
-        if not isinstance(entry, Tensor) or entry.numel() == 0:
+        if not isinstance(entry, Tensor) or not entry.is_cpu or entry.dtype.itemsize > 8:
             return None
-        if entry.device.type != "cpu" or entry.dtype.itemsize > 8:
+        numel = entry.numel()
+        if numel == 0:
             return None
         tensors.append(entry)
+        items.append((entry.dtype, numel))
     if not tensors:
         return None
-    groups, total = _inline_layout(tuple((t.dtype, t.numel()) for t in tensors))
+    groups, total = inline_layout(tuple(items))
     if total > INLINE_MAX_BYTES:
         return None
+    return inline_data(tensors, groups, total)
+
+
+def inline_data(tensors: Sequence[Tensor], groups: "Sequence[DenseGroup]", total: int) -> list[int] | None:
+    """The data words of small CPU tensors laid out in ``groups`` (``total`` bytes); None where one cannot be read."""
     data = bytearray()
     try:
         for group in groups:
             data += bytes(group.start - len(data))  # the alignment padding before the group
             for index in group.indices:
-                data += _raw_bytes(tensors[index])
+                data += raw_bytes(tensors[index])
     except (RuntimeError, TypeError):  # a tensor numpy cannot read: its data goes by the gather, which is always safe
         return None
     data += bytes(total - len(data))
@@ -200,13 +227,17 @@ def _inline_words(entries: Sequence[LocalEntry]) -> list[int] | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _inline_layout(items: tuple[tuple[torch.dtype, int], ...]) -> "tuple[list[DenseGroup], int]":
+def inline_layout(items: tuple[tuple[torch.dtype, int], ...]) -> "tuple[list[DenseGroup], int]":
     """:func:`dense_layout` of ``(dtype, numel)`` items, kept: a per-step metric asks at every step (read only)."""
     return dense_layout((index, dtype, numel) for index, (dtype, numel) in enumerate(items))
 
 
-def _raw_bytes(tensor: Tensor) -> bytes:
+def raw_bytes(tensor: Tensor) -> bytes:
     """The elements of a CPU tensor in row-major order, as bytes."""
+    try:  # the usual state: one call. numpy() refuses a tensor that needs grad, a conj or neg bit, or bfloat16
+        return tensor.numpy().tobytes()  # type: ignore[no-any-return]  # row-major, whatever the strides
+    except (RuntimeError, TypeError):
+        pass
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():
@@ -262,15 +293,19 @@ def unpack_slots(packed: Tensor) -> Tensor:
     return torch.cat([torch.stack(fields, dim=-1), torch.stack([low, high], dim=-1).flatten(-2)], dim=-1)
 
 
+def _tensor_problem(layout: torch.layout, dtype: torch.dtype, shape: Sequence[int]) -> int:
+    if layout != torch.strided:
+        return ERR_LAYOUT
+    if dtype not in _DTYPE_CODE:
+        return ERR_DTYPE
+    if len(shape) > MAX_NDIM:
+        return ERR_NDIM
+    return ERR_DIM if max(shape, default=0) > MAX_DIM else ERR_NONE
+
+
 def _entry_problem(entry: Entry) -> int:
     if isinstance(entry, Tensor):
-        if entry.layout != torch.strided:
-            return ERR_LAYOUT
-        if entry.dtype not in _DTYPE_CODE:
-            return ERR_DTYPE
-        if entry.ndim > MAX_NDIM:
-            return ERR_NDIM
-        return ERR_DIM if max(entry.shape, default=0) > MAX_DIM else ERR_NONE
+        return _tensor_problem(entry.layout, entry.dtype, entry.shape)
     if not isinstance(entry, list):
         return ERR_NOT_TENSOR
     dtypes = set()

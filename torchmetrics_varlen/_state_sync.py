@@ -46,10 +46,22 @@ def _reduction_name(fn: Any) -> str:
 
 def layout_text(metrics: Sequence[StockMetric], phase: str) -> str:
     """What is being synced, as text equal on every rank that syncs the same thing (hashed into the record)."""
+    return _text(phase, _signature(metrics))
+
+
+_Signature = tuple[tuple[type, tuple[tuple[str, Any], ...]], ...]
+
+
+def _signature(metrics: Sequence[StockMetric]) -> _Signature:
+    """Each metric's class and synced states with their reductions: everything a layout's fixed part follows from."""
+    return tuple((type(metric), tuple(metric._reductions.items())) for metric in metrics)
+
+
+def _text(phase: str, signature: _Signature) -> str:
     parts = [phase]
-    for metric in metrics:
-        states = ",".join(f"{n}:{_reduction_name(metric._reductions[n])}" for n in state_names(metric))
-        parts.append(f"{type(metric).__qualname__}({states})")
+    for cls, reductions in signature:
+        states = ",".join(f"{name}:{_reduction_name(fn)}" for name, fn in reductions)
+        parts.append(f"{cls.__qualname__}({states})")
     return "|".join(parts)
 
 
@@ -87,30 +99,75 @@ def metrics_device(metrics: Sequence[StockMetric]) -> torch.device:
     return next((m.device for m in metrics if m.device.type != "cpu"), torch.device("cpu"))
 
 
-def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
-    """The layout of a sync of ``metrics``; ``values`` replaces their current states (one dict per metric)."""
-    keys: list[tuple[int, str]] = []
-    states: list[Any] = []
-    reductions: list[Any] = []
-    for index, metric in enumerate(metrics):
-        for name, reduction in metric._reductions.items():  # the synced states, in registration order
-            keys.append((index, name))
-            states.append(values[index][name] if values else getattr(metric, name))
-            reductions.append(reduction)
+@dataclass(frozen=True)
+class _Fixed:
+    """The part of a layout that follows from the metrics' classes, states and reductions and the phase alone.
+
+    Shared by every sync with the same signature (read only: no user of a layout mutates its lists).
+    """
+
+    keys: list[tuple[int, str]]
+    reductions: list[Any]
+    ops: list[int]
+    cat: list[bool]
+    context: int
+    classes: list[str]
+    means: list[int]  # positions of the `mean` states, whose aux word is the owning metric's update count
+
+
+@functools.lru_cache(maxsize=256)
+def _fixed(phase: str, signature: _Signature) -> _Fixed:
+    # Keyed by the classes and the reduction objects themselves (held by the key, so no id is ever reused), never by
+    # a digest: a per-step sync asks at every step, and a wrong hit would send another layout.
+    keys = [(index, name) for index, (_, reductions) in enumerate(signature) for name, _ in reductions]
+    reductions = [fn for _, pairs in signature for _, fn in pairs]
     ops = [_OPS.get(fn, _plan.OP_NONE) for fn in reductions]
-    aux = [metrics[i]._update_count if op == _plan.OP_MEAN else 0 for (i, _), op in zip(keys, ops)]
-    cat = [fn is dim_zero_cat for fn in reductions]
-    return Layout(
+    return _Fixed(
         keys=keys,
-        entries=entries_sharing_objects(states, reductions),
-        context=_protocol.context_hash(layout_text(metrics, phase)),
         reductions=reductions,
         ops=ops,
-        cat=cat,
+        cat=[fn is dim_zero_cat for fn in reductions],
+        context=_protocol.context_hash(_text(phase, signature)),
+        classes=[cls.__name__ for cls, _ in signature],
+        means=[position for position, op in enumerate(ops) if op == _plan.OP_MEAN],
+    )
+
+
+def _fixed_part(metrics: Sequence[StockMetric], phase: str) -> _Fixed:
+    signature = _signature(metrics)
+    try:
+        return _fixed(phase, signature)
+    except TypeError:  # a reduction that cannot be hashed: nothing to look up by
+        return _fixed.__wrapped__(phase, signature)
+
+
+def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
+    """The layout of a sync of ``metrics``; ``values`` replaces their current states (one dict per metric)."""
+    fixed = _fixed_part(metrics, phase)
+    if values:
+        states = [values[index][name] for index, name in fixed.keys]
+    else:  # the synced states, in registration order: plain attributes (tests/test_torchmetrics_internals.py)
+        attrs = [vars(metric) for metric in metrics]
+        try:
+            states = [attrs[index][name] for index, name in fixed.keys]
+        except KeyError:  # a subclass that keeps a state elsewhere (a property): as stock reads it
+            states = [getattr(metrics[index], name) for index, name in fixed.keys]
+    aux = [0] * len(states)
+    for position in fixed.means:
+        aux[position] = metrics[fixed.keys[position][0]]._update_count
+    return Layout(
+        keys=fixed.keys,
+        entries=entries_sharing_objects(states, fixed.reductions),
+        context=fixed.context,
+        reductions=fixed.reductions,
+        ops=fixed.ops,
+        cat=fixed.cat,
         aux=aux,
-        graph=any(_carries_graph(value) for value in states),
-        classes=[type(metric).__name__ for metric in metrics],
-        empty=[(metrics[i].dtype, metrics[i].device) if joined else None for (i, _), joined in zip(keys, cat)],
+        graph=any([_carries_graph(value) for value in states]),
+        classes=fixed.classes,
+        empty=[
+            (metrics[i].dtype, metrics[i].device) if joined else None for (i, _), joined in zip(fixed.keys, fixed.cat)
+        ],
         device=metrics_device(metrics),
         cap=min((cap for metric in metrics if (cap := getattr(metric, "sync_cap", None)) is not None), default=None),
     )
@@ -219,6 +276,8 @@ def entries_sharing_objects(values: list[Any], reductions: list[Any] | None = No
     Only where the reduction is the same too (``reductions``): a Ref's value is the earlier entry's reduced value,
     and stock reduces every state with its own reduction, also two states holding one tensor.
     """
+    if len({id(value) for value in values}) == len(values):  # the usual case: no state is another's object
+        return [value if isinstance(value, Tensor) else list(value) for value in values]
     seen: dict[tuple[int, int], int] = {}
     entries: list[LocalEntry] = []
     for position, value in enumerate(values):

@@ -20,13 +20,14 @@ Collectives are looked up on ``torch.distributed`` at call time, so tests can co
 """
 
 import array
+import contextlib
 import datetime
 import os
 import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,10 +56,21 @@ def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
     """``(rank, world_size)`` within ``group``, or None when no sync is needed (no process group, or a group of one)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return _WORLDS[pg]
+    except (KeyError, TypeError):  # not seen yet, or a group that cannot be weakly referenced
+        pass
     world_size = dist.get_world_size(group)
-    if world_size <= 1:
-        return None
-    return dist.get_rank(group), world_size
+    world = None if world_size <= 1 else (dist.get_rank(group), world_size)
+    with contextlib.suppress(TypeError):
+        _WORLDS[pg] = world
+    return world
+
+
+# A group's ranks never change, and every sync asks more than once: kept per group object, weakly (a destroyed
+# group takes its entry along; one made later is looked up afresh).
+_WORLDS: "weakref.WeakKeyDictionary[Any, tuple[int, int] | None]" = weakref.WeakKeyDictionary()
 
 
 def default_timeout() -> float | None:
@@ -110,10 +122,14 @@ class _Limits:
 
 def _limits(timeout: float | None, group: ProcessGroup | None, wait: str, device_type: str) -> _Limits:
     state = _state(group)
-    group_s = state.group_seconds.get(device_type)
-    if group_s is None:
-        group_s = state.group_seconds[device_type] = group_timeout(group, device_type)
-    return limits_for(timeout, group_s, wait)
+    key = (timeout, wait, device_type)
+    limits = state.limits.get(key)  # the same few keys at every sync of a group
+    if limits is None:
+        group_s = state.group_seconds.get(device_type)
+        if group_s is None:
+            group_s = state.group_seconds[device_type] = group_timeout(group, device_type)
+        limits = state.limits[key] = limits_for(timeout, group_s, wait)
+    return limits
 
 
 def limits_for(timeout: float | None, group_s: float, wait: str) -> _Limits:
@@ -264,6 +280,7 @@ class _RecordLength:
     left: int = RECORD_WINDOW  # syncs left in the window
     syncs: int = 0  # syncs of this group so far: numbers the "where I wait" notes
     group_seconds: dict[str, float] = field(default_factory=dict)
+    limits: dict[tuple[float | None, str, str], _Limits] = field(default_factory=dict)  # ``_limits``, kept
 
     def next_sync(self) -> tuple[int, int]:
         """The length to send at, and the sync's number."""
@@ -300,7 +317,7 @@ def _note(group: ProcessGroup | None, what: str) -> str:
 
 
 def exchange_records(
-    record: list[int], group: ProcessGroup | None, device: torch.device, wait: str, timeout: float | None, what: str
+    record: Sequence[int], group: ProcessGroup | None, device: torch.device, wait: str, timeout: float | None, what: str
 ) -> Tensor:
     """Collective 1 (rarely 2): every rank's record, as a ``[world_size, words]`` int64 CPU tensor.
 
@@ -324,7 +341,7 @@ def exchange_records(
 
 
 def _exchange_at(
-    record: list[int],
+    record: Sequence[int],
     words: int,
     group: Any,
     device: torch.device,

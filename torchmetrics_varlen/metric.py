@@ -45,8 +45,18 @@ def resolve_timeout(sync_timeout: float | None) -> float | None:
 
 def local_state_copy(metric: StockMetric) -> StateDict:
     """The states as they are now; lists are copied so that a compute appending to them cannot alter the cache."""
-    states = {name: getattr(metric, name) for name in metric._defaults}
-    return {name: list(value) if isinstance(value, list) else value for name, value in states.items()}
+    attrs = vars(metric)
+    return {name: list(value) if isinstance(value := attrs[name], list) else value for name in metric._defaults}
+
+
+def set_states(metric: StockMetric, states: StateDict) -> None:
+    """Write ``states`` (and the sync bookkeeping) into the metric, as ``setattr`` would, minus its per-call checks.
+
+    States are plain instance attributes (torchmetrics never registers them as buffers, nor its sync flags and
+    cache: covered by tests/test_torchmetrics_internals.py), so writing the instance dict is what
+    ``nn.Module.__setattr__`` does for them; a per-step sync writes every state twice (global, then local again).
+    """
+    vars(metric).update(states)
 
 
 class Metric(StockMetric, JoinableMetric):
@@ -167,8 +177,7 @@ class Metric(StockMetric, JoinableMetric):
         )[0]
 
     def _apply_synced(self, states: StateDict) -> None:
-        for name, value in states.items():
-            setattr(self, name, value)
+        set_states(self, states)
 
     def _distributed(self, distributed_available: Callable[[], bool] | None = None) -> bool:
         available = distributed_available or self.distributed_available_fn
@@ -193,9 +202,10 @@ class Metric(StockMetric, JoinableMetric):
         """
         if not should_sync or self._is_synced or not self._distributed(distributed_available):
             return
-        self._cache = local_state_copy(self)
+        attrs = vars(self)  # plain attributes: see `set_states`
+        attrs["_cache"] = local_state_copy(self)
         self._sync_dist(dist_sync_fn or self.dist_sync_fn or gather_all_tensors, process_group=process_group)
-        self._is_synced = True
+        attrs["_is_synced"] = True
 
     def unsync(self, should_unsync: bool = True) -> None:
         """Restore the local states saved by :meth:`sync` so that accumulation can go on; a no-op when not synced.
@@ -205,10 +215,10 @@ class Metric(StockMetric, JoinableMetric):
         """
         if not should_unsync or not self._is_synced:
             return
-        for name, value in (self._cache or {}).items():
-            setattr(self, name, value)
-        self._is_synced = False
-        self._cache = None
+        attrs = vars(self)
+        set_states(self, self._cache or {})
+        attrs["_is_synced"] = False
+        attrs["_cache"] = None
 
     @contextmanager
     def sync_context(
