@@ -35,7 +35,7 @@ def _learnt(ranks, aux=None, ops=None, cat=None):
     plan = _plan.make_plan(table, "repeat", ops)
     assert plan.inline
     described = _protocol.record_words(len(ranks[0]))
-    key = (5, "repeat", 0)
+    key = (5, "repeat", 0, _protocol.DEFAULT_CAP, None)
     _repeat.learn(key, ranks[0], records[0], aux, ops, cat, "if_graph", table.numpy(), described, plan)
     template = _repeat.lookup(key)
     assert template is not None
