@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _buffers, _plan, _protocol, _transport
+from torchmetrics_varlen import _buffers, _engine, _plan, _policy, _protocol, _transport
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry
 
@@ -65,13 +65,22 @@ def plan_bytes(plan: Plan, words: int, settled: bool = False) -> Row:
     gather = 0 if plan.inline else world * plan.max_bytes  # inline: the data came with the records
     max_bytes = 0 if plan.inline else plan.max_bytes
     reduce = sum(group.nbytes for group in plan.reduce_groups)
+    broadcasts = broadcast = 0  # per-rank broadcasts into the results: every section once, in chunks of the cap
+    for index in plan.broadcast:
+        entry = plan.entries[index]
+        itemsize = entry.dtype.itemsize if entry.dtype is not None else 0
+        for count in entry.numels.tolist():
+            broadcast += count * itemsize
+            broadcasts += -(-count * itemsize // max(plan.cap, 1)) if count else 0
+    # The memory check: one int64 per rank, when the sync receives enough to be worth it (see _engine).
+    check = 0 if plan.inline or plan.alloc_bytes < _engine.AGREE_MIN_BYTES else world * 8
     return {
-        "collectives": 1 + (max_bytes > 0) + len(plan.reduce_groups),
+        "collectives": 1 + (max_bytes > 0) + len(plan.reduce_groups) + broadcasts + (check > 0),
         "metadata": metadata,
         "gather": gather,
         "reduce": reduce,
-        "received": metadata + gather + reduce,
-        "buffers": metadata + words * 8 + gather + max_bytes + reduce,
+        "received": metadata + gather + reduce + broadcast + check,
+        "buffers": metadata + words * 8 + gather + max_bytes + reduce + broadcast + check + (8 if check else 0),
     }
 
 
@@ -102,7 +111,7 @@ def metric_plan_bytes(metric: Any, world: int, settled: bool = False) -> Row:
     layout = sync_layout([metric], "compute")
     record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux, inline=True)
     table = torch.tensor([record] * world, dtype=torch.int64)
-    plan = _plan.make_plan(table, "scale", layout.ops, "auto")
+    plan = _plan.make_plan(table, "scale", layout.ops, "auto", broadcast_min=_policy.BROADCAST_MIN_BYTES["gloo"])
     return plan_bytes(plan, len(record), settled)
 
 
