@@ -403,17 +403,7 @@ def _missing_rank(ctx: Ctx) -> str:
     if ctx.rank == absent:
         # It waits for the others at the verdict exchange, on the control group.
         return f"rank {absent} skipped compute() on purpose"
-    start = time.monotonic()
-    try:
-        metric.compute()
-    except SyncTimeoutError as err:
-        message = str(err)
-    else:
-        raise AssertionError(f"rank {absent} never synced, yet compute() returned: expected SyncTimeoutError")
-    waited = time.monotonic() - start
-    named = {int(n) for group in re.findall(r"\[(\d[\d, ]*)\]", message) for n in group.split(",")}
-    if absent not in named:
-        raise AssertionError(f"SyncTimeoutError does not name rank {absent} in a [list]: {message}")
+    _, waited = _await_missing(metric, absent)
     total = metric.total.item()
     expected_total = ctx.local((values,), sizes)[0].double().sum().item()
     if abs(total - expected_total) > 1e-9 * max(1.0, abs(expected_total)):
@@ -422,6 +412,27 @@ def _missing_rank(ctx: Ctx) -> str:
         f"SyncTimeoutError after {waited:.1f} s (sync_timeout={MISSING_TIMEOUT:g}) names rank {absent};"
         " local states intact"
     )
+
+
+def _await_missing(metric: Any, absent: int) -> tuple[str, float]:
+    """``metric.compute()`` on a rank whose peer ``absent`` never syncs: the SyncTimeoutError's message and the wait.
+
+    Fails (AssertionError) unless it raises SyncTimeoutError naming rank ``absent`` in a ``[list]``.
+    """
+    start = time.monotonic()
+    try:
+        metric.compute()
+    except SyncTimeoutError as err:
+        message = str(err)
+    except RuntimeError as err:
+        raise AssertionError(f"expected SyncTimeoutError but got {type(err).__name__}: {err}") from err
+    else:
+        raise AssertionError(f"rank {absent} never synced, yet compute() returned: expected SyncTimeoutError")
+    waited = time.monotonic() - start
+    named = {int(n) for found in re.findall(r"\[(\d[\d, ]*)\]", message) for n in found.split(",")}
+    if absent not in named:
+        raise AssertionError(f"SyncTimeoutError does not name rank {absent} in a [list]: {message}")
+    return message, waited
 
 
 def _group_after_timeout(ctx: Ctx) -> str:

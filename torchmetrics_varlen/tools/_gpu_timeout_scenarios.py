@@ -19,7 +19,6 @@ pending collective when the group's timeout passes, instead of ending the proces
 import contextlib
 import datetime
 import os
-import re
 import time
 from collections.abc import Generator
 from typing import Any
@@ -27,9 +26,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchmetrics_varlen import SyncTimeoutError
 from torchmetrics_varlen.onerank import compute_on_rank
-from torchmetrics_varlen.tools._gpu_scenarios import Ctx, Scenario, _binary, _close, _sizes, _SumCat, _update
+from torchmetrics_varlen.tools._gpu_scenarios import (
+    Ctx,
+    Scenario,
+    _await_missing,
+    _binary,
+    _close,
+    _sizes,
+    _SumCat,
+    _update,
+)
 
 __all__ = ["SCENARIOS"]
 
@@ -68,19 +75,7 @@ def _missing(ctx: Ctx, group: Any, sync_timeout: float, source: str, limit: floa
     _update(metric, *ctx.local((values,), sizes))
     if ctx.rank == absent:
         return f"rank {absent} skipped compute() on purpose"
-    start = time.monotonic()
-    try:
-        metric.compute()
-    except SyncTimeoutError as err:
-        message = str(err)
-    except RuntimeError as err:
-        raise AssertionError(f"expected SyncTimeoutError but got {type(err).__name__}: {err}") from err
-    else:
-        raise AssertionError(f"rank {absent} never synced, yet compute() returned: expected SyncTimeoutError")
-    waited = time.monotonic() - start
-    named = {int(n) for found in re.findall(r"\[(\d[\d, ]*)\]", message) for n in found.split(",")}
-    if absent not in named:
-        raise AssertionError(f"SyncTimeoutError does not name rank {absent} in a [list]: {message}")
+    message, waited = _await_missing(metric, absent)
     if source not in message:
         raise AssertionError(f"SyncTimeoutError does not say {source!r}: {message}")
     if waited > limit:
