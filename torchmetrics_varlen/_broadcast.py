@@ -78,6 +78,11 @@ def copy_later(later: list[tuple[Tensor, Tensor]]) -> None:
             section.copy_(tensor)
 
 
+def chunk_elements(cap: int, itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes one broadcast moves at most: as many as fit in ``cap`` bytes, at least one."""
+    return max(1, cap // itemsize)
+
+
 def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[tuple[int, Tensor]]:
     """The ``(source rank, tensor)`` of every broadcast, in the order every rank issues them.
 
@@ -87,7 +92,7 @@ def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor],
     out: list[tuple[int, Tensor]] = []
     for index, buffer in buffers.items():
         numels = plan.entries[index].numels.tolist()
-        chunk = max(1, plan.cap // buffer.element_size())
+        chunk = chunk_elements(plan.cap, buffer.element_size())
         start = 0
         for src, count in enumerate(numels):
             if count:

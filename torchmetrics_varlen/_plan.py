@@ -129,9 +129,12 @@ class Plan:
     # lazily; two threads may fill one key, with the same value.
     memo: dict[object, object] = field(default_factory=dict, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def alloc_bytes(self) -> int:
-        """Bytes this sync allocates on every rank for what it receives: the padded rows, broadcast results."""
+        """Bytes this sync allocates on every rank for what it receives: the padded rows, broadcast results.
+
+        Kept once worked out: a cached plan serves sync after sync, and each asks.
+        """
         total = self.world_size * self.max_bytes + sum(group.nbytes for group in self.reduce_groups)
         for index in self.broadcast:
             entry = self.entries[index]
@@ -256,7 +259,7 @@ def _make_plan(
         # Most syncs move small states: one check of the largest section and of the gather's size keeps them here.
         largest = int(data_bytes.max()) if data_bytes is not None else 0
         if largest >= broadcast_min or world * int(nbytes.max()) > cap:
-            broadcast = _route_data(entries, data_bytes, uneven, cap, broadcast_min)
+            broadcast = _route_data(entries, data_bytes, uneven, world, cap, broadcast_min)
             groups, nbytes = _layout(entries, uneven, data_bytes, world)
     return Plan(
         world_size=world,
@@ -334,7 +337,7 @@ def _layout(
 
 
 def _route_data(
-    entries: list[EntryPlan], data_bytes: Tensor | None, uneven: list[int], cap: int, broadcast_min: int
+    entries: list[EntryPlan], data_bytes: Tensor | None, uneven: list[int], world: int, cap: int, broadcast_min: int
 ) -> list[int]:
     """Move entries to per-rank broadcasts (``ROUTE_BCAST``), straight into their results; returns them, in order.
 
@@ -347,7 +350,6 @@ def _route_data(
     included. An entry that refers to another, or that another refers to, stays in the gather (its per-rank pieces
     are cut from the gathered rows). Decided from the plan alone: every rank routes alike.
     """
-    world = len(entries[0].numels) if entries else 0
     referenced: set[int] = set()
     for entry in entries:
         if not entry.dense:

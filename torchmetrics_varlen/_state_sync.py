@@ -193,10 +193,8 @@ def sync_states(
     states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's).
     """
     layout = sync_layout(metrics, phase, values)
-    if cap is not None:
-        layout.cap = cap
     flags = _protocol.FLAG_DIFF if differentiable else 0
-    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase)
+    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap)
     assert synced is not None  # no `stop` given
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
@@ -219,11 +217,13 @@ def run_layout(
     phase: str = "compute",
     stop: Any = None,
     device: torch.device | None = None,
+    cap: int | None = None,
 ) -> "_engine.Synced | None":
     """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
 
     ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
-    results go to: the Join shadow, which must never touch CUDA, passes the CPU.
+    results go to: the Join shadow, which must never touch CUDA, passes the CPU. ``cap`` replaces the layout's
+    transfer cap (a collection's own ``sync_cap``).
     """
     return _engine.run(
         layout.entries,
@@ -240,7 +240,7 @@ def run_layout(
         grad="always" if phase == "step" else "if_graph",
         names=layout.state_name,
         device=device or layout.device,
-        cap=layout.cap,
+        cap=cap if cap is not None else layout.cap,
     )
 
 

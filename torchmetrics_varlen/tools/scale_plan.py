@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _buffers, _engine, _plan, _policy, _protocol, _transport
+from torchmetrics_varlen import _broadcast, _buffers, _engine, _plan, _policy, _protocol, _transport
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry
 
@@ -68,10 +68,11 @@ def plan_bytes(plan: Plan, words: int, settled: bool = False) -> Row:
     broadcasts = broadcast = 0  # per-rank broadcasts into the results: every section once, in chunks of the cap
     for index in plan.broadcast:
         entry = plan.entries[index]
-        itemsize = entry.dtype.itemsize if entry.dtype is not None else 0
+        assert entry.dtype is not None  # only entries with data are broadcast
+        chunk = _broadcast.chunk_elements(plan.cap, entry.dtype.itemsize)
         for count in entry.numels.tolist():
-            broadcast += count * itemsize
-            broadcasts += -(-count * itemsize // max(plan.cap, 1)) if count else 0
+            broadcast += count * entry.dtype.itemsize
+            broadcasts += -(-count // chunk)
     # The memory check: one int64 per rank, when the sync receives enough to be worth it (see _engine).
     check = 0 if plan.inline or plan.alloc_bytes < _engine.AGREE_MIN_BYTES else world * 8
     return {

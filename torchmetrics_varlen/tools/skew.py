@@ -227,14 +227,14 @@ def format_memory_table(rows: Sequence[Row], repeats: int) -> str:
     ]
     for row in rows:
         ours, cap = row["varlen"], row["cap"]
-        met = "-" if cap is None else ("met" if max(ours["peak"]) <= MEMORY_TARGET * row["true_bytes"] + cap else "no")
-        cap_cell = "-" if cap is None else _mib(cap)
+        met = "met" if max(ours["peak"]) <= MEMORY_TARGET * row["true_bytes"] + cap else "no"
+        cap_cell = _mib(cap)
         lines.append(
             f"| {row['world_size']:>2} | {_mib(row['true_bytes']):>10} | {cap_cell:>7} | {max(ours['ms']):>8.2f} |"
             f" {ours['time_ratio']:>12.2f}x | {_mib(max(ours['peak'])):>13} | {ours['memory_ratio']:>12.2f}x |"
             f" {met:>6} | {row['stock']['memory_ratio']:>13.2f}x | {row['padded']['memory_ratio']:>14.2f}x |"
         )
-    lines += ["", f"Target (ours): peak <= {MEMORY_TARGET}x the result + the engine's cap (- : no cap exposed)."]
+    lines += ["", f"Target (ours): peak <= {MEMORY_TARGET}x the result + the engine's cap."]
     return "\n".join(lines)
 
 
@@ -282,7 +282,7 @@ def plot_memory(rows: Sequence[Row], path: str) -> None:
         for ax, key in ((left, "memory_ratio"), (right, "time_ratio")):
             values = [row[side][key] for row in rows]
             ax.plot(xs, values, style, markersize=size, alpha=0.5 if side == "padded" else 1.0, label=_name(side))
-    targets = [MEMORY_TARGET + (row["cap"] or 0) / row["true_bytes"] for row in rows]
+    targets = [MEMORY_TARGET + row["cap"] / row["true_bytes"] for row in rows]
     left.plot(xs, targets, "_", color="grey", markersize=18, label="target (1.2x + cap)")
     left.set(ylabel="peak extra memory of sync() / result", xticks=list(xs), xticklabels=labels)
     right.set(ylabel="sync time / padded gather (slowest rank)", xticks=list(xs), xticklabels=labels)
