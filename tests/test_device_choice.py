@@ -143,15 +143,19 @@ def body_backward_wait(rank, world_size, forced):
         modes.append(mode)
         return original(work, timeout, *args, mode=mode, **kwargs)
 
-    original = _transport.wait_for
-    _transport.wait_for = record
+    def record_first(work, first):  # gloo's first slice, tried before wait_for: only the "block" way has one
+        modes.append("block")
+        return first_original(work, first)
+
+    original, first_original = _transport.wait_for, _transport.wait_first
+    _transport.wait_for, _transport.wait_first = record, record_first
     try:
         with _policy.forced(grad_wait=forced) if forced else contextlib.nullcontext():
             loss = 0.5 * (torch.cat(gather_all_tensors(x, sync_grads=True)) ** 2).sum()
             forward = len(modes)
             loss.backward()
     finally:
-        _transport.wait_for = original
+        _transport.wait_for, _transport.wait_first = original, first_original
     return {"forward": modes[:forward], "backward": modes[forward:], "grad": x.grad, "x": x.detach()}
 
 

@@ -51,6 +51,7 @@ class Synced:
     plan: Plan
     results: list[Result | None]
     rank: int
+    template: _repeat.Template | None = None  # what a repeated small sync learnt (see _repeat), if it did
 
 
 def first_device(entries: Sequence[LocalEntry]) -> torch.device | None:
@@ -96,6 +97,7 @@ def run(
     names: Callable[[int], str] | None = None,
     device: torch.device | None = None,
     cap: int | None = None,
+    exchanged: tuple[Sequence[int], Tensor] | None = None,
 ) -> Synced | None:
     """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
 
@@ -121,6 +123,9 @@ def run(
             ``gather_all_tensors`` hook, whose one tensor is always there).
         cap: this rank's transfer cap in bytes (``Metric(sync_cap=...)``); None: the environment's or the default
             (see :mod:`torchmetrics_varlen._cap`). The plan takes the smallest of all ranks'.
+        exchanged: this rank's record and the exchanged table, where the metadata exchange already ran (a learnt
+            sync whose table differed from what it learnt: see :mod:`torchmetrics_varlen._shortcut`); the record
+            must be the one ``describe`` makes of ``entries``.
     """
     world = _transport.world_of(group)
     assert world is not None
@@ -136,14 +141,17 @@ def run(
     # A small sync repeated with the same metadata builds its record from what it learnt (see _repeat). The cap
     # travels in the header and the broadcast threshold shapes the plan: both are part of what is learnt.
     key = (context, label, flags, cap, broadcast_min) if inline and stop is None else None
-    template = _repeat.lookup(key) if key is not None else None
+    template = _repeat.lookup(key) if key is not None and exchanged is None else None
     record: Sequence[int] | None = None
     if template is not None:
         record = _repeat.record(template, entries, aux, ops, cat, grad)
-    if record is None:
-        template = None
-        record = _protocol.describe(entries, context, label, flags, aux, inline, cap)
-    table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
+    if exchanged is not None:
+        record, table = exchanged
+    else:
+        if record is None:
+            template = None
+            record = _protocol.describe(entries, context, label, flags, aux, inline, cap)
+        table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
     if stop is not None and stop(table):
         return None
     words = table.numpy()  # at least the group's first record length: the header is there
@@ -151,15 +159,15 @@ def run(
     if template is not None:  # every rank sees the same table, so every rank takes the same branch
         learnt = _repeat.results(template, words, described)
         if learnt is not None:
-            return Synced(template.plan, learnt, rank)
+            return Synced(template.plan, learnt, rank, template)
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if dst is not None else policy.reduce
     plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat, names, broadcast_min)
     if plan.inline:  # the data came with the records: cut it out of the table
         if key is not None:
-            _repeat.learn(key, entries, record, aux, ops, cat, grad, words, described, plan)
-        return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
+            template = _repeat.learn(key, entries, record, aux, ops, cat, grad, words, described, plan)
+        return Synced(plan, _buffers.unpack_inline(table, described, plan), rank, template)
     devices = [entry_device(entry, device or local or policy.device) for entry in entries]
     step = _Step(entries, plan, group, rank, policy, devices, cat, timeout, what, dst)
     if plan.differentiable:

@@ -260,6 +260,15 @@ def policy_for(group: Any, device: torch.device | None, local: torch.device | No
     return _decide(backend, device, local, bound, current, cuda_available, reduce)
 
 
+def changing_facts() -> tuple[Any, str]:
+    """What :func:`policy_for` reads besides the group and the devices: a forced policy and the environment.
+
+    For the same group and devices, equal facts give the same policy: a learnt sync checks these instead of asking
+    for its policy again (see :mod:`torchmetrics_varlen._shortcut`).
+    """
+    return getattr(_FORCED, "policy", None), os.environ.get(REDUCE_ENV, "")
+
+
 @functools.lru_cache(maxsize=64)
 def _decide(*facts: Any) -> TransportPolicy:
     # Every sync asks for its policy: the answer depends on the facts only, so it is built once per combination
@@ -323,6 +332,19 @@ def wait_for(
         interval = min(interval * POLL_GROWTH, POLL_MAX)
     _wait_completed(work)
     return True
+
+
+def wait_first(work: Any, first: datetime.timedelta) -> bool:
+    """The "block" way's first slice on its own: whether ``work`` completed within ``first``.
+
+    False when the slice expired (the work is untouched) or the work failed: :func:`wait_for` then tells which. A
+    small collective is done within it, and a sync pays for every call around its wait (see ``_transport._finish``).
+    """
+    try:
+        work.wait(first)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _wait_completed(work: Any) -> None:

@@ -111,17 +111,17 @@ def learn(
     words: Any,
     described: int,
     plan: Plan,
-) -> None:
-    """Keep what an inline sync of small tensors sent and got, for the next sync with the same ``key``.
+) -> Template | None:
+    """Keep what an inline sync of small tensors sent and got, for the next sync with the same ``key``; return it.
 
     ``sent`` is this rank's record, ``words`` the exchanged table (numpy) the plan was made from.
     """
     if not (sent[_protocol.H_FLAGS] & _protocol.FLAG_INLINE) or not all(isinstance(e, Tensor) for e in entries):
-        return
+        return None
     tensors: list[Tensor] = list(entries)  # type: ignore[arg-type]
     cuts = _buffers.inline_cuts(plan)
     if cuts is None:
-        return
+        return None
     groups, total = _protocol.inline_layout(tuple((t.dtype, t.numel()) for t in tensors))
     pieces, used = [], 0
     for group in groups:
@@ -146,3 +146,4 @@ def learn(
         if key not in _TEMPLATES and len(_TEMPLATES) >= TEMPLATES_KEPT:
             del _TEMPLATES[next(iter(_TEMPLATES))]  # the oldest
         _TEMPLATES[key] = template
+    return template

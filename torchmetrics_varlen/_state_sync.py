@@ -24,7 +24,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _engine, _plan, _protocol
+from torchmetrics_varlen import _engine, _plan, _protocol, _shortcut
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
@@ -192,10 +192,23 @@ def sync_states(
     ``differentiable`` the sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's
     states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's).
     """
+    exchanged = None
+    plain = values is None and not differentiable and dst is None  # a sync a shortcut may be learnt for
+    if plain:
+        shortcut = _shortcut.lookup(metrics, label)
+        if shortcut is not None:
+            attempt = shortcut.run(metrics, group, timeout, cap)
+            if isinstance(attempt, list):
+                return attempt
+            exchanged = attempt  # None: not run; else the record and table it exchanged, for the long way
     layout = sync_layout(metrics, phase, values)
     flags = _protocol.FLAG_DIFF if differentiable else 0
-    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap)
+    synced = run_layout(
+        layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap, exchanged=exchanged
+    )
     assert synced is not None  # no `stop` given
+    if plain and synced.template is not None:
+        _shortcut.learn(metrics, layout, group, cap, synced, label)
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
@@ -218,12 +231,14 @@ def run_layout(
     stop: Any = None,
     device: torch.device | None = None,
     cap: int | None = None,
+    exchanged: tuple[Sequence[int], Tensor] | None = None,
 ) -> "_engine.Synced | None":
     """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
 
     ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
     results go to: the Join shadow, which must never touch CUDA, passes the CPU. ``cap`` replaces the layout's
-    transfer cap (a collection's own ``sync_cap``).
+    transfer cap (a collection's own ``sync_cap``). ``exchanged``: the metadata exchange already ran (see
+    :mod:`torchmetrics_varlen._shortcut`).
     """
     return _engine.run(
         layout.entries,
@@ -241,6 +256,7 @@ def run_layout(
         names=layout.state_name,
         device=device or layout.device,
         cap=cap if cap is not None else layout.cap,
+        exchanged=exchanged,
     )
 
 

@@ -28,16 +28,16 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _notes, _plan, _protocol
+from torchmetrics_varlen import _notes, _plan, _policy, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
-from torchmetrics_varlen._policy import PeerFailedError, wait_for
+from torchmetrics_varlen._policy import PeerFailedError, wait_first, wait_for
 from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -118,6 +118,7 @@ class _Limits:
     bound: float
     group_s: float
     from_group: bool
+    first: datetime.timedelta | None = None  # "block": the first timed slice, tried before anything else (see _finish)
 
 
 def _limits(timeout: float | None, group: ProcessGroup | None, wait: str, device_type: str) -> _Limits:
@@ -136,10 +137,17 @@ def limits_for(timeout: float | None, group_s: float, wait: str) -> _Limits:
     """How long to wait, for a ``sync_timeout`` of ``timeout`` on a group whose own timeout is ``group_s`` seconds."""
     bound = group_s - margin(group_s)
     if timeout == 0:  # no timer of ours: gloo's own timeout ends the wait; polling (NCCL) would never end: the bound
-        return _Limits(None if wait == "block" else group_s, group_s, group_s, True)
-    if timeout is None or timeout >= bound:
-        return _Limits(bound, bound, group_s, True)
-    return _Limits(timeout, bound, group_s, False)
+        limits = _Limits(None if wait == "block" else group_s, group_s, group_s, True)
+    elif timeout is None or timeout >= bound:
+        limits = _Limits(bound, bound, group_s, True)
+    else:
+        limits = _Limits(timeout, bound, group_s, False)
+    if wait != "block":
+        return limits
+    # The first slice ends at the note (NOTE_AFTER) or at our timeout, whichever comes first: what wait_for's first
+    # slice would be, made once.
+    first = min(NOTE_AFTER, limits.ours) if limits.ours is not None else NOTE_AFTER
+    return replace(limits, first=datetime.timedelta(seconds=max(first, _policy.MIN_SLICE)))
 
 
 def _finish(
@@ -155,15 +163,22 @@ def _finish(
     ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours).
     """
     limits = _limits(timeout, group, wait, device_type)
+    start = time.monotonic()
+    # "block": the common case in one call, a small collective done within the first slice. A sync pays for every
+    # microsecond here, several times over right after a collective woke it (its caches are cold). Else (the slice
+    # expired, or the work failed) the full wait below goes on from there and tells which.
+    if limits.first is not None and wait_first(work, limits.first):
+        return
     noted: list[Any] = []  # the store, once this rank noted where it waits (a quick sync never touches it)
 
     def write_note() -> None:
         noted.append(_notes.store())
         _notes.write(noted[0], "waiting", _note(group, what))
 
-    start = time.monotonic()
     try:
-        done = wait_for(work, limits.ours, write_note, NOTE_AFTER, mode=wait)
+        waited = time.monotonic() - start
+        ours = None if limits.ours is None else max(limits.ours - waited, 0.0)
+        done = wait_for(work, ours, write_note, max(NOTE_AFTER - waited, 0.0), mode=wait)
         found = None
         recent: set[int] = set()  # the peers that were busy at the last look
         while not done:  # our timeout expired: keep waiting while every peer that has not arrived is alive and busy
@@ -311,6 +326,11 @@ def _state(group: ProcessGroup | None) -> _RecordLength:
         return state
 
 
+def record_length(group: ProcessGroup | None) -> _RecordLength:
+    """The state of ``group``'s agreed record length, the same object for as long as the group lives."""
+    return _state(group)
+
+
 def _note(group: ProcessGroup | None, what: str) -> str:
     """This rank's "where I wait" note for a collective of the current sync of ``group`` (see _notes)."""
     return f"{_group_tag(group)}|{_state(group).syncs}|{what}"
@@ -323,11 +343,38 @@ def exchange_records(
 
     ``words`` is the group's agreed length: a record's own length is in its header (``H_WORDS``), zeros follow.
     """
+    length, words = begin_exchange(group)
+    table = _exchange_at(record, words, group, device, wait, timeout, what)
+    return settle(table, record, length, words, group, device, wait, timeout, what)
+
+
+def begin_exchange(group: ProcessGroup | None, length: _RecordLength | None = None) -> tuple[_RecordLength, int]:
+    """A sync's metadata exchange begins: the group's length state and the record length every rank sends at.
+
+    ``length``: the group's state, where the caller kept it (:func:`record_length`).
+    """
     _notes.arm_exit_note()
-    length = _state(group)
+    length = length or _state(group)
     with _LOCK:
         words, _ = length.next_sync()
-    table = _exchange_at(record, words, group, device, wait, timeout, what)
+    return length, words
+
+
+def settle(
+    table: Tensor,
+    record: Sequence[int],
+    length: _RecordLength,
+    words: int,
+    group: ProcessGroup | None,
+    device: torch.device,
+    wait: str,
+    timeout: float | None,
+    what: str,
+) -> Tensor:
+    """The exchanged ``table`` (sent at ``words``), exchanged again at the longest record's length where one is longer.
+
+    Records the longest length with the group's state (every rank saw the same table, so they all agree on it).
+    """
     # Every sync runs these checks: on a few words, Python lists are several times quicker than tensor operations.
     heads = table.numpy()
     magic = heads[:, _protocol.H_MAGIC].tolist()
@@ -335,9 +382,33 @@ def exchange_records(
     needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
         table = _exchange_at(record, needed, group, device, wait, timeout, what)
-    with _LOCK:
-        length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
+    saw(length, needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table  # at the agreed length: the plan reads each record's length from its header
+
+
+def saw(length: _RecordLength, needed: int) -> None:
+    """Every rank saw that the longest record of this sync has ``needed`` words."""
+    with _LOCK:
+        length.saw(needed)
+
+
+def exchange_prepared(
+    send: Tensor,
+    table: Tensor,
+    group: ProcessGroup | None,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    meanwhile: Callable[[], None],
+) -> None:
+    """The metadata exchange of a learnt sync (see :mod:`torchmetrics_varlen._shortcut`): ``send`` into ``table``.
+
+    ``send`` is this rank's record at the agreed length (int64, CPU), ``table`` the ``world_size x`` longer output.
+    ``meanwhile`` runs while the records travel. The caller began the exchange (:func:`begin_exchange`) and settles it.
+    """
+    work = _gather_equal(table, send, group)
+    meanwhile()
+    _finish(work, group, wait, timeout, what)
 
 
 def _exchange_at(
