@@ -54,6 +54,34 @@ def count_collectives():
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def sync_labels():
+    """The labels of this package's syncs while the block runs, in order: one per metadata exchange.
+
+    A sync exchanges its records once, the long way (``exchange_records``) or the learnt way (``exchange_prepared``,
+    see ``_shortcut``); ``what``, the sixth argument of both, is "sync of <label>".
+    """
+    from torchmetrics_varlen import _transport
+
+    labels: list = []
+    originals = {name: getattr(_transport, name) for name in ("exchange_records", "exchange_prepared")}
+
+    def wrap(fn):
+        def exchange(*args):
+            labels.append(args[5].removeprefix("sync of "))
+            return fn(*args)
+
+        return exchange
+
+    for name, fn in originals.items():
+        setattr(_transport, name, wrap(fn))
+    try:
+        yield labels
+    finally:
+        for name, fn in originals.items():
+            setattr(_transport, name, fn)
+
+
 def split(sizes, rank):
     """This rank's slice of data laid out rank after rank."""
     start = sum(sizes[:rank])

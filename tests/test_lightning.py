@@ -34,6 +34,7 @@ pytest.importorskip("lightning", reason="lightning is not installed (pip install
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from _helpers import sync_labels
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -45,7 +46,6 @@ from torchmetrics.functional.classification import (
 )
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _transport
 
 N_TRAIN, TRAIN_BATCH = 16, 4  # 8 samples, 2 batches per rank: DDP training needs equal step counts
 N_VAL, VAL_BATCH = 21, 5  # not a multiple of the world size; unpadded shards of 11 and 10: 3 and 2 batches
@@ -222,13 +222,9 @@ class SyncRecorder:
         self.lightning_reductions = 0  # collectives issued from Lightning's logging (its `sync_dist` reduction)
 
     def __enter__(self):
-        self._metadata = _transport.exchange_records
+        self._labels = sync_labels()
+        self.syncs = self._labels.__enter__()
         self._originals = {name: getattr(dist, name) for name in self.NAMES}
-
-        def metadata(*args):
-            what = args[-1]
-            self.syncs.append(what.removeprefix("sync of "))
-            return self._metadata(*args)
 
         def wrap(fn):
             def collective(*args, **kwargs):
@@ -238,13 +234,12 @@ class SyncRecorder:
 
             return collective
 
-        _transport.exchange_records = metadata
         for name, fn in self._originals.items():
             setattr(dist, name, wrap(fn))
         return self
 
     def __exit__(self, *exc):
-        _transport.exchange_records = self._metadata
+        self._labels.__exit__(*exc)
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
 

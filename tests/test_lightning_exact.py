@@ -16,6 +16,7 @@ pytest.importorskip("lightning", reason="lightning is not installed (pip install
 
 import lightning.pytorch as pl
 import torch
+from _helpers import sync_labels
 from lightning.pytorch.strategies import DDPStrategy
 from test_lightning import LIGHTNING_POOL, ExistingProcessGroup, MeanSquaredError, _data
 from torch.utils.data import DataLoader
@@ -23,7 +24,6 @@ from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryAvera
 from torchmetrics.functional.classification import binary_accuracy, binary_auroc, binary_average_precision
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _transport
 from torchmetrics_varlen.lightning import ExactEvaluation, UnevenStepsError
 
 N_TRAIN, TRAIN_BATCH = 16, 4
@@ -92,23 +92,6 @@ def _trainer(world_size, callbacks, **kwargs):
     )
 
 
-class SyncLabels:
-    """The labels of this package's syncs (one metadata exchange each) while the block runs."""
-
-    def __enter__(self):
-        self.labels, self._original = [], _transport.exchange_records
-
-        def recorded(*args):
-            self.labels.append(args[-1].removeprefix("sync of "))
-            return self._original(*args)
-
-        _transport.exchange_records = recorded
-        return self.labels
-
-    def __exit__(self, *exc):
-        _transport.exchange_records = self._original
-
-
 def body_exact(rank, world_size):
     model = ExactModel()
     trainer = _trainer(world_size, [ExactEvaluation()])
@@ -116,7 +99,7 @@ def body_exact(rank, world_size):
     train = DataLoader(_data(N_TRAIN, 1), batch_size=TRAIN_BATCH)
     val = DataLoader(_data(N_VAL, 2), batch_size=EVAL_BATCH)
     test = DataLoader(_data(N_TEST, 3), batch_size=EVAL_BATCH, shuffle=True)
-    with warnings.catch_warnings(), SyncLabels() as labels:
+    with warnings.catch_warnings(), sync_labels() as labels:
         warnings.simplefilter("ignore")
         trainer.fit(model, train, val)
         fit_values = {name: float(value) for name, value in trainer.callback_metrics.items()}

@@ -159,15 +159,22 @@ def _record_body(rank, world_size):
         return original(send, *args, **kwargs)
 
     metric = Counts()
+    kept = []  # every sync's synced states, as a metric whose compute returns a state would keep them
     _transport.exchange_prepared = capture
     try:
         for step in range(3):
             metric.update(step, rank)
             metric.sync()
+            states = {name: getattr(metric, name) for name in metric._defaults}
+            kept.append((states, {name: value.clone() for name, value in states.items()}))
             metric.unsync()
     finally:
         _transport.exchange_prepared = original
     assert len(sent) == 2, len(sent)  # the first sync learnt
+    for states, copies in kept:  # later syncs made fresh tensors: the kept ones did not change
+        for name, value in states.items():
+            assert torch.equal(value, copies[name]), (name, value, copies[name])
+    assert len({id(value) for states, _ in kept for value in states.values()}) == sum(len(s) for s, _ in kept)
     layout = _state_sync.sync_layout([metric], "compute")
     policy = _policy.policy_for(None, torch.device("cpu"), torch.device("cpu"))
     flags = _protocol.REDUCE_FLAGS[policy.reduce]

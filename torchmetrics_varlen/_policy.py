@@ -260,13 +260,13 @@ def policy_for(group: Any, device: torch.device | None, local: torch.device | No
     return _decide(backend, device, local, bound, current, cuda_available, reduce)
 
 
-def changing_facts() -> tuple[Any, str]:
-    """What :func:`policy_for` reads besides the group and the devices: a forced policy and the environment.
+def forced_policy() -> "TransportPolicy | None":
+    """The policy :func:`forced` set for this thread, if any: :func:`policy_for` returns it whatever the group.
 
-    For the same group and devices, equal facts give the same policy: a learnt sync checks these instead of asking
-    for its policy again (see :mod:`torchmetrics_varlen._shortcut`).
+    A learnt sync checks it, with the environment, instead of asking for its policy again (see
+    :mod:`torchmetrics_varlen._shortcut`).
     """
-    return getattr(_FORCED, "policy", None), os.environ.get(REDUCE_ENV, "")
+    return getattr(_FORCED, "policy", None)
 
 
 @functools.lru_cache(maxsize=64)

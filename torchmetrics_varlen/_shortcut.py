@@ -22,11 +22,13 @@ in the record and changes at every step), reductions whose results are fresh ten
 is overwritten by the next sync), no state object shared by two entries.
 """
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
@@ -40,11 +42,17 @@ Exchanged = tuple[list[int], Tensor]  # this rank's record and the exchanged tab
 _FRESH = (dim_zero_sum, dim_zero_max, dim_zero_min)  # reductions whose result never views their input
 _INTEGERS = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _CPU = torch.device("cpu")
+_INT64 = np.dtype(np.int64)
 SHORTCUTS_KEPT = 256
 
 
 class Shortcut:
-    """What one repeated sync of some metrics checks, sends and reduces, learnt from a sync that went the long way."""
+    """What one repeated sync of some metrics checks, sends and reduces, learnt from a sync that went the long way.
+
+    Everything a sync would work out again is worked out here once: the checks compare with kept values, the copy
+    and the reductions run on views of the kept record and table. Right after a collective every operation costs
+    several times what it costs warm, so the fewer there are the better.
+    """
 
     def __init__(
         self,
@@ -54,50 +62,58 @@ class Shortcut:
         group: Any,
         policy: _policy.TransportPolicy,
         cap: int,
+        settings: tuple[Any, ...],
         template: Template,
         world_size: int,
         what: str,
     ) -> None:
-        self.owners = tuple(weakref.ref(metric) for metric in metrics)
-        self.signature = tuple((type(metric), tuple(metric._reductions.items())) for metric in metrics)
-        self.keys = keys
+        # Per metric: itself (weakly), its class, reductions and device, as they were learnt
+        self.learnt = tuple(
+            (weakref.ref(metric), type(metric), dict(metric._reductions), metric.device) for metric in metrics
+        )
+        self.keys, self.count = keys, len(metrics)
         self.group = group  # as the caller passes it (None: the world, checked by identity below)
         self.world = weakref.ref(torch.distributed.group.WORLD) if group is None else None
         self.policy, self.cap, self.template, self.what = policy, cap, template, what
-        self.device = next((m.device for m in metrics if m.device.type != "cpu"), _CPU)  # `metrics_device`
-        self.facts = _policy.changing_facts()  # with the group and the device: the policy
+        self.settings = settings  # with the group and the devices: the cap and the policy (see `_settings`)
         self.length = _transport.record_length(group)
+        self.limits: tuple[float | None, Any] = (None, None)  # the last `sync_timeout` and its limits
         self.kinds = template.kinds
-        self.expect = [(dtype, shape, False) for dtype, shape in self.kinds]  # dtype, shape, requires_grad
+        self.expect = list(self.kinds)  # each state's dtype and shape
+        self.graphs = [i for i, (dtype, _) in enumerate(self.kinds) if dtype.is_floating_point or dtype.is_complex]
         self.lock = threading.Lock()  # one sync at a time uses the kept buffers
         self.forget: Any = None  # the finalizer that drops this shortcut with its first metric
         described = self.described = len(template.prefix)
         self.needed = int(template.prefix[_protocol.H_WORDS])  # this rank's record length, header included
         groups, _ = _protocol.inline_layout(tuple((dtype, shape.numel()) for dtype, shape in self.kinds))
         start = 8 * described  # a record's data follows its header and slots
-        # Per dtype group: its entries, whether they share one shape (stacked) or not (flattened and joined), and
-        # the bytes of the record they are copied into.
-        self.packs = [
-            (
-                group.indices,
-                len({self.kinds[i][1] for i in group.indices}) == 1,
-                group.dtype,
-                start + group.start,
-                start + group.start + group.nbytes,
+        # Per dtype group: its entries, how they are copied into the record, and the record's bytes they go to.
+        # Integer scalars are written as Python ints into a numpy view (the cheapest copy right after a collective),
+        # entries of one shape are stacked, the others flattened and joined.
+        self.packs = []
+        for group in groups:
+            shapes = {self.kinds[i][1] for i in group.indices}
+            how = (
+                "ints"
+                if shapes == {torch.Size()} and group.dtype in _INTEGERS
+                else "stack"
+                if len(shapes) == 1
+                else "cat"
             )
-            for group in groups
-        ]
-        # Integer sum groups, one sum each: entries, numpy dtype, data bytes, and [entries, *shape] where they share one
-        self.sums: list[tuple[list[int], Any, int, int, tuple[int, ...] | None]] = []
-        self.each: list[tuple[int, Any, int, int, tuple[int, ...], Any]] = []  # the others: their own reduction
+            self.packs.append(
+                (group.indices, how, group.dtype, start + group.start, start + group.start + group.nbytes)
+            )
+        # Integer sum groups, one sum each: entries, dtype, data bytes, and where their results come from
+        self.sums: list[tuple[list[int], torch.dtype, int, int, _FreshSums]] = []
+        self.each: list[tuple[int, torch.dtype, int, int, tuple[int, ...], Any]] = []  # the others: own reduction
         for group in groups:
             cuts = [cut for cut in template.cuts if cut[0] in group.indices]
             if group.dtype in _INTEGERS and all(reductions[i] is dim_zero_sum for i in group.indices):
-                shapes = {self.kinds[i][1] for i in group.indices}
-                stacked = (len(group.indices), *self.kinds[group.indices[0]][1]) if len(shapes) == 1 else None
-                self.sums.append((group.indices, cuts[0][1], cuts[0][2], cuts[-1][3], stacked))
+                fresh = _FreshSums([self.kinds[i][1] for i in group.indices])
+                self.sums.append((group.indices, group.dtype, cuts[0][2], cuts[-1][3], fresh))
             else:
-                self.each += [(i, dtype, a, b, shape, reductions[i]) for i, dtype, a, b, shape in cuts]
+                self.each += [(i, group.dtype, a, b, shape, reductions[i]) for i, _, a, b, shape in cuts]
+        self.fresh = [(indices, fresh) for indices, _, _, _, fresh in self.sums]
         self.world_size = world_size
         self._allocate(_transport.INITIAL_WORDS, list(template.prefix))
 
@@ -107,13 +123,28 @@ class Shortcut:
         self.send = torch.zeros(words, dtype=torch.int64)
         self.send[: len(record)] = torch.tensor(record, dtype=torch.int64)
         data = self.send.view(torch.uint8)
-        self.outs = []  # per pack: the record's bytes of its group, viewed as the group's entries
-        for indices, same_shape, dtype, start, stop in self.packs:
+        self.outs: list[Any] = []  # per pack: the record's bytes of its group, viewed as the group's entries
+        for indices, how, dtype, start, stop in self.packs:
             out = data[start:stop].view(dtype)
-            self.outs.append(out.view(len(indices), *self.kinds[indices[0]][1]) if same_shape else out)
+            if how == "ints":
+                self.outs.append(out.numpy())
+            else:
+                self.outs.append(out.view(len(indices), *self.kinds[indices[0]][1]) if how == "stack" else out)
         self.send_words = self.send[:words]
         self.table = torch.empty(self.world_size * words, dtype=torch.int64)
         self.rows = self.table.numpy().reshape(self.world_size, words)
+        self.heads = self.rows[:, : self.described]  # every rank's header and slots, compared with the learnt ones
+        # Every rank's data, viewed per reduction: [world_size, ...] for each sum group and each other entry
+        table = self.table.view(self.world_size, words).view(torch.uint8)[:, 8 * self.described :]
+        raw = self.rows.view("u1")[:, 8 * self.described :]  # numpy: a cold sum costs less there than in torch
+        self.summed = [
+            (indices, raw[:, start:stop].view(_protocol.NUMPY_DTYPES[dtype]))
+            for indices, dtype, start, stop, _ in self.sums
+        ]
+        self.reduced = [
+            (index, table[:, start:stop].view(dtype).view(shape), reduction)
+            for index, dtype, start, stop, shape, reduction in self.each
+        ]
 
     def run(self, metrics: Sequence[StockMetric], group: Any, timeout: float | None, cap: int | None) -> Any:
         """The synced states (one dict per metric), the record and table for the long way, or None: not applicable.
@@ -122,87 +153,167 @@ class Shortcut:
         """
         if not self.lock.acquire(blocking=False):
             return None
-        try:
-            return self._run(metrics, group, timeout, cap)
+        try:  # one function: right after a collective every call costs a few microseconds
+            states = self._states(metrics, group, cap)
+            if states is None:
+                return None
+            return self._send(states, group, timeout)
         finally:
             self.lock.release()
 
-    def _run(self, metrics: Sequence[StockMetric], group: Any, timeout: float | None, cap: int | None) -> Any:
-        states = self._states(metrics, group, cap)
-        if states is None:
-            return None
+    def _send(self, states: list[Tensor], group: Any, timeout: float | None) -> Any:
+        """Copy ``states`` into the record, exchange it and reduce, or go on the long way (see :meth:`run`)."""
         try:
-            for (indices, same_shape, _, _, _), out in zip(self.packs, self.outs):
-                if same_shape:
+            for (indices, how, _, _, _), out in zip(self.packs, self.outs):
+                if how == "ints":
+                    out[:] = [int(states[i]) for i in indices]
+                elif how == "stack":
                     torch.stack([states[i] for i in indices], out=out)
                 else:
                     torch.cat([states[i].reshape(-1) for i in indices], out=out)
-        except (RuntimeError, TypeError):  # a state on another device, sparse, ...: nothing was sent yet
+        except (RuntimeError, TypeError, ValueError):  # a state on another device, sparse, ...: nothing was sent yet
             return None
+        seen, limits = self.limits
+        if limits is None or seen != timeout:
+            limits = _transport.limits_of(timeout, group, self.policy.wait)
+            self.limits = (timeout, limits)
         length, words = _transport.begin_exchange(group, self.length)
-        policy = self.policy
+        wait = self.policy.wait
         if words < self.needed:  # the group's length shrank below this record: the long way's two exchanges
             record = self.send.numpy()[: self.needed].tolist()
-            table = _transport._exchange_at(record, words, group, _CPU, policy.wait, timeout, self.what)
-            return record, _transport.settle(table, record, length, words, group, _CPU, policy.wait, timeout, self.what)
+            table = _transport._exchange_at(record, words, group, _CPU, wait, timeout, self.what)
+            return record, _transport.settle(table, record, length, words, group, _CPU, wait, timeout, self.what)
         if words != self.words:
             self._allocate(words, self.send[: self.needed].tolist())
-        _transport.exchange_prepared(self.send_words, self.table, group, policy.wait, timeout, self.what, _nothing)
-        rows = self.rows
-        if rows[:, : self.described].tobytes() != self.template.table:
+        # The results' tensors are made while the records travel
+        out, sums = _transport.exchange_prepared(
+            self.send_words, self.table, group, wait, timeout, self.what, limits, self._fresh
+        )
+        if self.heads.tobytes() != self.template.table:
             record = self.send.numpy()[: self.needed].tolist()
             table = self.table.view(self.world_size, words).clone()  # the long way's results may view it
-            return record, _transport.settle(table, record, length, words, group, _CPU, policy.wait, timeout, self.what)
+            return record, _transport.settle(table, record, length, words, group, _CPU, wait, timeout, self.what)
         _transport.saw(length, self.needed)  # what `settle` records for a table of the learnt headers
-        return self._reduce(metrics, rows)
+        return self._reduce(out, sums)
 
     def _states(self, metrics: Sequence[StockMetric], group: Any, cap: int | None) -> list[Tensor] | None:
-        """The metrics' states where this sync is the learnt one, else None."""
+        """The metrics' states where this sync is the learnt one, else None.
+
+        Written as plain loops: right after a collective every call and comprehension costs a few microseconds.
+        """
         if group is not self.group or (self.world is not None and self.world() is not torch.distributed.group.WORLD):
             return None
-        for owner, metric, (cls, items) in zip(self.owners, metrics, self.signature):
-            if owner() is not metric or type(metric) is not cls or tuple(metric._reductions.items()) != items:
+        attrs = []
+        for (owner, cls, reductions, device), metric in zip(self.learnt, metrics):
+            attr = vars(metric)
+            if owner() is not metric or type(metric) is not cls or attr.get("_reductions") != reductions:
                 return None
-        if cap is None:
-            cap = min((c for metric in metrics if (c := getattr(metric, "sync_cap", None)) is not None), default=None)
-        if (cap if cap is not None else _cap.resolve_cap()) != self.cap:
+            if metric.device != device:
+                return None
+            attrs.append(attr)
+        if _settings(attrs, cap) != self.settings:
             return None
-        device = next((m.device for m in metrics if m.device.type != "cpu"), _CPU)
-        if device != self.device or _policy.changing_facts() != self.facts:
-            return None
+        states = []
         try:
-            states = [vars(metrics[index])[name] for index, name in self.keys]
-            # dtype, shape and autograd as learnt; the copy into the record refuses the rest (other devices, layouts)
-            if [(state.dtype, state.shape, state.requires_grad) for state in states] != self.expect:
+            for index, name in self.keys:
+                states.append(attrs[index][name])
+            # dtype and shape as learnt, and no graph; the copy into the record refuses the rest (other devices,
+            # layouts). Two entries holding one tensor are two entries here, as with stock's sync.
+            if [(state.dtype, state.shape) for state in states] != self.expect:
                 return None
+            for index in self.graphs:  # a graph makes the long way's record another one (FLAG_GRAD)
+                if states[index].requires_grad:
+                    return None
         except (KeyError, AttributeError):  # a state kept elsewhere, or a list
             return None
-        if len({id(state) for state in states}) != len(states):  # a shared object is a reference on the long way
-            return None
-        return states  # type: ignore[no-any-return]
+        return states
 
-    def _reduce(self, metrics: Sequence[StockMetric], rows: Any) -> list[StateDict]:
-        data = rows[:, self.described :].view("u1")
-        values: list[Any] = [None] * len(self.keys)
-        for indices, dtype, start, stop, stacked in self.sums:
-            summed = torch.from_numpy(data[:, start:stop].view(dtype)).sum(0)
-            if stacked is not None:
-                parts: Sequence[Tensor] = summed.view(stacked).unbind()
-            else:
-                numels = [self.kinds[i][1].numel() for i in indices]
-                parts = [part.view(self.kinds[i][1]) for part, i in zip(summed.split_with_sizes(numels), indices)]
+    def _fresh(self) -> tuple[list[StateDict], list[Any]]:
+        """The synced states' dicts with fresh tensors for the integer sums, to be summed into; made in flight."""
+        out: list[StateDict] = [{} for _ in range(self.count)]
+        keys = self.keys
+        sums = []
+        for indices, fresh in self.fresh:
+            summed, parts = fresh.ready.pop() if fresh.ready else fresh.take()
             for index, part in zip(indices, parts):
-                values[index] = part
-        for index, dtype, start, stop, shape, reduction in self.each:
-            values[index] = reduction(torch.from_numpy(data[:, start:stop].view(dtype).reshape(shape)))
-        out: list[StateDict] = [{} for _ in metrics]
-        for (index, name), value in zip(self.keys, values):
-            out[index][name] = value
+                metric, name = keys[index]
+                out[metric][name] = part
+            sums.append(summed)
+        return out, sums
+
+    def _reduce(self, out: list[StateDict], sums: list[Any]) -> list[StateDict]:
+        """Each state reduced over every rank's values in the table, as stock reduces the gathered states."""
+        for (_, gathered), summed in zip(self.summed, sums):
+            np.add.reduce(gathered, 0, _INT64, summed)  # exact: integer sums wrap alike in any order
+        keys = self.keys
+        for index, each, reduction in self.reduced:
+            metric, name = keys[index]
+            out[metric][name] = reduction(each)
         return out
 
 
-def _nothing() -> None:
-    return None
+class _FreshSums:
+    """Fresh int64 tensors for the results of one integer sum group, made in batches.
+
+    Every sync hands out new tensors, as stock does: a metric may keep its synced states (``compute`` returning one),
+    and the next sync must not change them. Making them costs several tensor operations right after a collective;
+    made a batch at a time, a sync takes its results from the batch (at most ``BATCH_BYTES`` of storage, which a
+    synced state that is kept keeps alive).
+    """
+
+    BATCH_ROWS, BATCH_BYTES = 64, 8192
+
+    def __init__(self, shapes: list[torch.Size]) -> None:
+        self.shapes = shapes
+        self.numels = [shape.numel() for shape in shapes]
+        self.numel = sum(self.numels)
+        self.rows = max(1, min(self.BATCH_ROWS, self.BATCH_BYTES // max(8 * self.numel, 1)))
+        self.ready: list[tuple[Any, Sequence[Tensor]]] = []
+
+    def take(self) -> tuple[Any, Sequence[Tensor]]:
+        """The numpy view of a fresh sum (int64, for every integer dtype, as stock's sum) and its entries' tensors."""
+        if not self.ready:
+            self.ready = self._make()
+        return self.ready.pop()
+
+    def _make(self) -> list[tuple[Any, Sequence[Tensor]]]:
+        block = torch.empty(self.rows, self.numel, dtype=torch.int64)
+        count = len(self.shapes)
+        if len(set(self.shapes)) == 1:  # one shape: every entry of the batch in one unbind
+            each = block.view(self.rows * count, *self.shapes[0]).unbind()
+            parts: list[Sequence[Tensor]] = [each[row * count : (row + 1) * count] for row in range(self.rows)]
+        else:
+            parts = [
+                [part.view(shape) for part, shape in zip(row.split_with_sizes(self.numels), self.shapes)]
+                for row in block.unbind()
+            ]
+        return list(zip(block.numpy(), parts))[::-1]
+
+
+# The environment variables a sync's record depends on, and their names as os.environ keeps them on POSIX
+_WATCHED = (_policy.REDUCE_ENV, _cap.SYNC_CAP_ENV)
+_WATCHED_KEYS = tuple(os.fsencode(name) for name in _WATCHED)
+_POSIX = os.name == "posix"
+
+
+def _settings(attrs: Sequence[dict[str, Any]], cap: int | None) -> tuple[Any, ...]:
+    """What a sync's cap and policy are decided from besides the group and the devices.
+
+    ``attrs``: the metrics' attribute dicts. The cap given (a collection's) or the metrics' smallest ``sync_cap``,
+    the forced policy, and the raw values of the environment variables (None where unset), read where setting or
+    deleting through ``os.environ`` lands. On POSIX that is the dict of encoded names and values ``os.environ`` keeps:
+    one lookup each, where ``os.environ.get`` encodes and decodes in Python (several microseconds right after a
+    collective). Elsewhere, or if that dict is not there, ``os.environ.get``. Equal settings decide alike.
+    """
+    if cap is None:
+        for attr in attrs:
+            own = attr.get("sync_cap")
+            if own is not None and (cap is None or own < cap):
+                cap = own
+    data = getattr(os.environ, "_data", None)
+    if _POSIX and type(data) is dict:
+        return cap, _policy.forced_policy(), data.get(_WATCHED_KEYS[0]), data.get(_WATCHED_KEYS[1])
+    return cap, _policy.forced_policy(), os.environ.get(_WATCHED[0]), os.environ.get(_WATCHED[1])
 
 
 _SHORTCUTS: dict[tuple[int, int, str], Shortcut] = {}
@@ -244,6 +355,7 @@ def learn(
         group,
         policy,
         resolved,
+        _settings([vars(metric) for metric in metrics], cap),
         template,
         synced.plan.world_size,
         f"sync of {label}",

@@ -57,20 +57,25 @@ def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     pg = group if group is not None else dist.group.WORLD
+    last = _LAST_WORLD[0]
+    if last is not None and last[0]() is pg:  # the group asked last: no weak-key lookup (every sync asks)
+        return last[1]
     try:
-        return _WORLDS[pg]
+        world = _WORLDS[pg]
     except (KeyError, TypeError):  # not seen yet, or a group that cannot be weakly referenced
-        pass
-    world_size = dist.get_world_size(group)
-    world = None if world_size <= 1 else (dist.get_rank(group), world_size)
+        world_size = dist.get_world_size(group)
+        world = None if world_size <= 1 else (dist.get_rank(group), world_size)
+        with contextlib.suppress(TypeError):
+            _WORLDS[pg] = world
     with contextlib.suppress(TypeError):
-        _WORLDS[pg] = world
+        _LAST_WORLD[0] = (weakref.ref(pg), world)
     return world
 
 
 # A group's ranks never change, and every sync asks more than once: kept per group object, weakly (a destroyed
 # group takes its entry along; one made later is looked up afresh).
 _WORLDS: "weakref.WeakKeyDictionary[Any, tuple[int, int] | None]" = weakref.WeakKeyDictionary()
+_LAST_WORLD: "list[tuple[weakref.ref[Any], tuple[int, int] | None] | None]" = [None]
 
 
 def default_timeout() -> float | None:
@@ -133,6 +138,11 @@ def _limits(timeout: float | None, group: ProcessGroup | None, wait: str, device
     return limits
 
 
+def limits_of(timeout: float | None, group: ProcessGroup | None, wait: str) -> _Limits:
+    """How long a CPU collective of ``group`` is waited for, with a ``sync_timeout`` of ``timeout``."""
+    return _limits(timeout, group, wait, "cpu")
+
+
 def limits_for(timeout: float | None, group_s: float, wait: str) -> _Limits:
     """How long to wait, for a ``sync_timeout`` of ``timeout`` on a group whose own timeout is ``group_s`` seconds."""
     bound = group_s - margin(group_s)
@@ -157,12 +167,15 @@ def _finish(
     timeout: float | None,
     what: str,
     device_type: str = "cpu",
+    limits: _Limits | None = None,
 ) -> None:
     """Wait for ``work`` the ``wait`` way (the policy's); raise SyncTimeoutError / SyncPeerError naming it.
 
-    ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours).
+    ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours). ``limits``: what
+    :func:`limits_of` gives for them, where the caller kept it.
     """
-    limits = _limits(timeout, group, wait, device_type)
+    if limits is None:
+        limits = _limits(timeout, group, wait, device_type)
     start = time.monotonic()
     # "block": the common case in one call, a small collective done within the first slice. A sync pays for every
     # microsecond here, several times over right after a collective woke it (its caches are cold). Else (the slice
@@ -399,16 +412,19 @@ def exchange_prepared(
     wait: str,
     timeout: float | None,
     what: str,
-    meanwhile: Callable[[], None],
-) -> None:
+    limits: _Limits,
+    meanwhile: Callable[[], Any],
+) -> Any:
     """The metadata exchange of a learnt sync (see :mod:`torchmetrics_varlen._shortcut`): ``send`` into ``table``.
 
-    ``send`` is this rank's record at the agreed length (int64, CPU), ``table`` the ``world_size x`` longer output.
-    ``meanwhile`` runs while the records travel. The caller began the exchange (:func:`begin_exchange`) and settles it.
+    ``send`` is this rank's record at the agreed length (int64, CPU), ``table`` the ``world_size x`` longer output;
+    ``limits`` is what :func:`limits_of` gives for ``timeout``. ``meanwhile`` runs while the records travel, and its
+    result is returned. The caller began the exchange (:func:`begin_exchange`) and settles it.
     """
     work = _gather_equal(table, send, group)
-    meanwhile()
-    _finish(work, group, wait, timeout, what)
+    prepared = meanwhile()
+    _finish(work, group, wait, timeout, what, "cpu", limits)
+    return prepared
 
 
 def _exchange_at(

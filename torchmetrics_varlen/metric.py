@@ -158,7 +158,7 @@ class Metric(StockMetric, JoinableMetric):
         return "compute" if self._should_unsync else "step"
 
     def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
-        if not is_coalescing_sync_fn(dist_sync_fn):
+        if dist_sync_fn not in _OUR_GATHERS:  # see `is_coalescing_sync_fn`
             super()._sync_dist(dist_sync_fn, process_group=process_group)
             return
         self._apply_synced(self._exchange(process_group))
