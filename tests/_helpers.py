@@ -27,21 +27,28 @@ COLLECTIVES = (
 
 
 @contextlib.contextmanager
-def count_collectives():
-    """Count calls of torch.distributed collectives made while the block runs (calls nested inside others once)."""
+def count_collectives(works=None):
+    """Count calls of torch.distributed collectives made while the block runs (calls nested inside others once).
+
+    ``works``: a list the works those calls return are appended to (None for a blocking call).
+    """
     counts: Counter = Counter()
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
     depth = [0]
 
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
-            if depth[0] == 0:
+            outer = depth[0] == 0
+            if outer:
                 counts[name] += 1
             depth[0] += 1
             try:
-                return fn(*args, **kwargs)
+                work = fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
+            if outer and works is not None:
+                works.append(work)
+            return work
 
         return wrapper
 

@@ -3,15 +3,17 @@
 import contextlib
 import datetime
 import os
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import count_collectives
 from _metrics import Total
 from conftest import PG_TIMEOUT, run_distributed
 from torch import multiprocessing as mp
-from torchmetrics.aggregation import SumMetric
+from torchmetrics.aggregation import CatMetric, SumMetric
 
 from torchmetrics_varlen import (
     Metric,
@@ -326,6 +328,28 @@ def test_a_peer_that_exited_normally_is_not_reported_as_a_crash(world_size, tmp_
         assert kind == "SyncTimeoutError", (rank, kind, message)
         assert f"ranks [{world_size - 1}] exited normally" in message, message
         assert "is_global_zero" in message and "nothing crashed" in message, message
+
+
+def body_works_outlive_their_sync(rank, world_size):
+    works = []
+    metric = rebase(CatMetric)(sync_timeout=30)
+    metric.update(torch.ones(100_000 + rank))  # large and uneven: a data step follows the metadata exchange
+    with count_collectives(works) as counts:
+        metric.compute()
+    assert sum(counts.values()) >= 2 and all(work is not None for work in works), (counts, works)
+    after_sync = [sys.getrefcount(work) for work in works]
+    metric.update(torch.ones(3))
+    metric.compute()  # the next sync begins: the first one's works are let go
+    return after_sync, [sys.getrefcount(work) for work in works]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_syncs_works_are_released_by_python_not_by_the_backend_thread(world_size):
+    # gloo's worker drops its reference to a work just after the wait returned; were that the last one, it would
+    # free the work's tensors under the GIL, which aborts a process that exits right after its last sync (the test
+    # above, under load). Python keeps each work until the next sync begins: one reference more, then let go.
+    for after_sync, after_next in run_distributed(body_works_outlive_their_sync, world_size):
+        assert [count - 1 for count in after_sync] == after_next, (after_sync, after_next)
 
 
 # ---------------------------------------------------------------------- the reduce mode travels (issue 20 item 8)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _notes, _plan, _policy, _protocol
+from torchmetrics_varlen import _kept_works, _notes, _plan, _policy, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_first, wait_for
 from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
@@ -174,6 +174,7 @@ def _finish(
     ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours). ``limits``: what
     :func:`limits_of` gives for them, where the caller kept it.
     """
+    _kept_works.keep(work)  # until the next sync begins: see _kept_works (a rank that exits right after this sync)
     if limits is None:
         limits = _limits(timeout, group, wait, device_type)
     start = time.monotonic()
@@ -367,6 +368,7 @@ def begin_exchange(group: ProcessGroup | None, length: _RecordLength | None = No
     ``length``: the group's state, where the caller kept it (:func:`record_length`).
     """
     _notes.arm_exit_note()
+    _kept_works.release_previous()
     length = length or _state(group)
     with _LOCK:
         words, _ = length.next_sync()
