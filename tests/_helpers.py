@@ -27,10 +27,10 @@ COLLECTIVES = (
 
 
 @contextlib.contextmanager
-def count_collectives(works=None):
+def count_collectives(calls=None):
     """Count calls of torch.distributed collectives made while the block runs (calls nested inside others once).
 
-    ``works``: a list the works those calls return are appended to (None for a blocking call).
+    ``calls``: a list each call's positional arguments are appended to.
     """
     counts: Counter = Counter()
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
@@ -38,27 +38,30 @@ def count_collectives(works=None):
 
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
-            outer = depth[0] == 0
-            if outer:
+            if depth[0] == 0:
                 counts[name] += 1
+                if calls is not None:
+                    calls.append(args)
             depth[0] += 1
             try:
-                work = fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
-            if outer and works is not None:
-                works.append(work)
-            return work
 
         return wrapper
 
+    from torchmetrics_varlen import _transport
+
+    direct = _transport.gather_direct  # the learnt small sync's exchange: the group's own all_gather_single
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
+    _transport.gather_direct = wrap("all_gather_single", direct)
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        _transport.gather_direct = direct
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _cap, _engine, _policy, _protocol, _transport
+from torchmetrics_varlen import _cap, _engine, _kept_buffers, _policy, _protocol, _transport
 from torchmetrics_varlen._repeat import Template
 
 StateDict = dict[str, Any]
@@ -74,6 +74,7 @@ class Shortcut:
         self.keys, self.count = keys, len(metrics)
         self.group = group  # as the caller passes it (None: the world, checked by identity below)
         self.world = weakref.ref(torch.distributed.group.WORLD) if group is None else None
+        self.options = _transport.gather_options()  # the exchange's, made once
         self.policy, self.cap, self.template, self.what = policy, cap, template, what
         self.settings = settings  # with the group and the devices: the cap and the policy (see `_settings`)
         self.length = _transport.record_length(group)
@@ -177,7 +178,8 @@ class Shortcut:
         if limits is None or seen != timeout:
             limits = _transport.limits_of(timeout, group, self.policy.wait)
             self.limits = (timeout, limits)
-        length, words = _transport.begin_exchange(group, self.length)
+        length = self.length
+        words = _transport.next_words(length)  # only this before the records go: the rest of a start in flight
         wait = self.policy.wait
         if words < self.needed:  # the group's length shrank below this record: the long way's two exchanges
             record = self.send.numpy()[: self.needed].tolist()
@@ -186,8 +188,9 @@ class Shortcut:
         if words != self.words:
             self._allocate(words, self.send[: self.needed].tolist())
         # The results' tensors are made while the records travel
+        pg = group if self.world is None else self.world()  # the world: checked alive and current in `_states`
         out, sums = _transport.exchange_prepared(
-            self.send_words, self.table, group, wait, timeout, self.what, limits, self._fresh
+            self.send_words, self.table, group, wait, timeout, self.what, limits, self._fresh, (pg, self.options)
         )
         if self.heads.tobytes() != self.template.table:
             record = self.send.numpy()[: self.needed].tolist()
@@ -230,6 +233,8 @@ class Shortcut:
 
     def _fresh(self) -> tuple[list[StateDict], list[Any]]:
         """The synced states' dicts with fresh tensors for the integer sums, to be summed into; made in flight."""
+        # What the long way's start does before its exchange (see _kept_buffers; this one's buffers are its own)
+        _kept_buffers.release_previous()
         out: list[StateDict] = [{} for _ in range(self.count)]
         keys = self.keys
         sums = []

@@ -16,7 +16,8 @@ timeout behaviour on every backend:
   closed its connection makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncPeerError` with the backend's
   error.
 
-Collectives are looked up on ``torch.distributed`` at call time, so tests can count them by wrapping those functions.
+Collectives are looked up on ``torch.distributed`` at call time (the learnt small sync's one exchange on
+:func:`gather_direct`), so tests can count them by wrapping those functions.
 """
 
 import array
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _kept_works, _notes, _plan, _policy, _protocol
+from torchmetrics_varlen import _kept_buffers, _notes, _plan, _policy, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_first, wait_for
 from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
@@ -174,7 +175,6 @@ def _finish(
     ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours). ``limits``: what
     :func:`limits_of` gives for them, where the caller kept it.
     """
-    _kept_works.keep(work)  # until the next sync begins: see _kept_works (a rank that exits right after this sync)
     if limits is None:
         limits = _limits(timeout, group, wait, device_type)
     start = time.monotonic()
@@ -273,7 +273,25 @@ def _failure(
     return SyncPeerError(_peer_message(what, group, message))
 
 
+def gather_options() -> Any:
+    """The options of an asynchronous all-gather, for :func:`gather_direct`."""
+    options = torch._C._distributed_c10d.AllgatherOptions()
+    options.asyncOp = True
+    return options
+
+
+def gather_direct(pg: ProcessGroup, output: Tensor, local: Tensor, options: Any) -> Any:
+    """``all_gather_single`` on the group object itself: the learnt small sync's exchange (see ``_shortcut``).
+
+    ``torch.distributed.all_gather_single`` checks its arguments and the group in Python first (7-14 microseconds of
+    a 200-microsecond small sync here). The learnt sync sends buffers it made and checked itself, on a group it
+    already synced on, so it skips them. Looked up at call time, as the ``torch.distributed`` collectives are.
+    """
+    return pg.all_gather_single(output, local, options)
+
+
 def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> Any:
+    _kept_buffers.keep(output, local)  # until the next sync begins: see _kept_buffers
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, local, group=group, async_op=True)
 
@@ -362,17 +380,23 @@ def exchange_records(
     return settle(table, record, length, words, group, device, wait, timeout, what)
 
 
-def begin_exchange(group: ProcessGroup | None, length: _RecordLength | None = None) -> tuple[_RecordLength, int]:
-    """A sync's metadata exchange begins: the group's length state and the record length every rank sends at.
-
-    ``length``: the group's state, where the caller kept it (:func:`record_length`).
-    """
+def begin_exchange(group: ProcessGroup | None) -> tuple[_RecordLength, int]:
+    """A sync's metadata exchange begins: the group's length state and the record length every rank sends at."""
     _notes.arm_exit_note()
-    _kept_works.release_previous()
-    length = length or _state(group)
+    _kept_buffers.release_previous()
+    length = _state(group)
+    return length, next_words(length)
+
+
+def next_words(length: _RecordLength) -> int:
+    """The record length every rank sends at in the sync of ``length``'s group that begins now.
+
+    A learnt sync (see ``_shortcut``) calls it alone: its group's exit note is armed since it was learnt, and it lets
+    the previous sync's works go while its records travel.
+    """
     with _LOCK:
         words, _ = length.next_sync()
-    return length, words
+    return words
 
 
 def settle(
@@ -416,14 +440,16 @@ def exchange_prepared(
     what: str,
     limits: _Limits,
     meanwhile: Callable[[], Any],
+    direct: tuple[ProcessGroup, Any],
 ) -> Any:
     """The metadata exchange of a learnt sync (see :mod:`torchmetrics_varlen._shortcut`): ``send`` into ``table``.
 
     ``send`` is this rank's record at the agreed length (int64, CPU), ``table`` the ``world_size x`` longer output;
     ``limits`` is what :func:`limits_of` gives for ``timeout``. ``meanwhile`` runs while the records travel, and its
-    result is returned. The caller began the exchange (:func:`begin_exchange`) and settles it.
+    result is returned. ``direct``: the group object (``group`` resolved) and the options :func:`gather_direct`
+    issues with. The caller began the exchange (:func:`next_words`) and settles it.
     """
-    work = _gather_equal(table, send, group)
+    work = gather_direct(direct[0], table, send, direct[1])
     prepared = meanwhile()
     _finish(work, group, wait, timeout, what, "cpu", limits)
     return prepared
@@ -479,6 +505,7 @@ def broadcast_all(
     Every rank passes the same sources and sizes in the same order (they come from the plan). ``meanwhile`` runs
     once they are started, before the wait.
     """
+    _kept_buffers.keep(*(tensor for _, tensor in sections))
     works = [
         dist.broadcast(tensor, src=_global_rank(group, src), group=group, async_op=True) for src, tensor in sections
     ]
@@ -518,6 +545,7 @@ def all_reduce(
     buffers: list[tuple[Tensor, int]], group: ProcessGroup | None, wait: str, timeout: float | None, what: str
 ) -> None:
     """All-reduce each ``(buffer, op)`` in place: all started at once, then waited for."""
+    _kept_buffers.keep(*(buffer for buffer, _ in buffers))
     works = [
         dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
         for buffer, op in buffers
@@ -548,6 +576,7 @@ def gather_to_rank(
         rows = list(output.unbind(0))
     else:
         output = None
+    _kept_buffers.keep(buffer, rows)
     work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, buffer.device.type)
     return output
@@ -560,6 +589,7 @@ def broadcast_bytes(
     rank = dist.get_rank(group)
     what = f"broadcast of the result from rank {src}"
     size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
+    _kept_buffers.keep(size)
     work = dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, device.type)
     if rank == src:
@@ -567,6 +597,7 @@ def broadcast_bytes(
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _kept_buffers.keep(payload)
     work = dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, device.type)
     return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
@@ -575,7 +606,11 @@ def broadcast_bytes(
 def run_collective(
     start: Callable[[], Any], group: Any, wait: str, timeout: float | None, what: str, device_type: str = "cpu"
 ) -> None:
-    """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other."""
+    """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other.
+
+    ``start`` is kept until the next sync begins, and with it the tensors it holds (see :mod:`_kept_buffers`).
+    """
+    _kept_buffers.keep(start)
     _finish(start(), group, wait, timeout, what, device_type)
 
 
