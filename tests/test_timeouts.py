@@ -2,10 +2,9 @@
 
 import contextlib
 import datetime
-import gc
 import os
+import sys
 import time
-import weakref
 
 import pytest
 import torch
@@ -331,30 +330,36 @@ def test_a_peer_that_exited_normally_is_not_reported_as_a_crash(world_size, tmp_
         assert "is_global_zero" in message and "nothing crashed" in message, message
 
 
-def body_buffers_outlive_their_sync(rank, world_size):
-    calls = []
+def body_works_outlive_their_sync(rank, world_size):
+    calls, works = [], []
     metric = rebase(CatMetric)(sync_timeout=30)
     metric.update(torch.ones(100_000 + rank))  # large and uneven: a data step follows the metadata exchange
-    with count_collectives(calls) as counts:
-        metric.compute()
-    buffers = [weakref.ref(arg) for args in calls for arg in args if isinstance(arg, torch.Tensor)]
-    assert sum(counts.values()) >= 2 and len(buffers) >= sum(counts.values()), (counts, calls)
-    calls.clear()  # only the weak references: what else holds the buffers is the point
-    alive_after_sync = [ref() is not None for ref in buffers]
+    waits = _transport._finish
+
+    def finish(work, *args, **kwargs):
+        works.append(work)
+        return waits(work, *args, **kwargs)
+
+    _transport._finish = finish
+    try:
+        with count_collectives(calls) as counts:
+            metric.compute()
+    finally:
+        _transport._finish = waits
+    assert sum(counts.values()) >= 2 and len(works) == sum(counts.values()), (counts, works)
+    after_sync = [sys.getrefcount(work) for work in works]
     metric.update(torch.ones(3))
-    metric.compute()  # the next sync begins: the first one's buffers are let go
-    gc.collect()
-    return alive_after_sync, [ref() is not None for ref in buffers]
+    metric.compute()  # the next sync begins: the first one's works are let go
+    return after_sync, [sys.getrefcount(work) for work in works]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_syncs_buffers_are_freed_by_python_not_by_the_backend_thread(world_size):
-    # gloo's worker drops a work, and so its tensors, just after the wait returned; were its reference the last one,
-    # it would free them under the GIL, which aborts a process that exits right after its last sync (the test above,
-    # under load). Python keeps every buffer of a sync's collectives until the next sync begins.
-    for alive_after_sync, alive_after_next in run_distributed(body_buffers_outlive_their_sync, world_size):
-        assert all(alive_after_sync), alive_after_sync
-        assert not all(alive_after_next), alive_after_next  # the send buffers, at least: let go, not kept forever
+def test_a_syncs_works_are_destroyed_by_python_not_by_the_backend_thread(world_size):
+    # gloo's worker drops its reference to a work just after the wait returned; were it the last one, the worker
+    # would destroy the work, taking the GIL, which aborts a process that exits right after its last sync (the test
+    # above, under load). Python keeps each work until the next sync begins: one reference more, then let go.
+    for after_sync, after_next in run_distributed(body_works_outlive_their_sync, world_size):
+        assert [count - 1 for count in after_sync] == after_next, (after_sync, after_next)
 
 
 # ---------------------------------------------------------------------- the reduce mode travels (issue 20 item 8)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _kept_buffers, _notes, _plan, _policy, _protocol
+from torchmetrics_varlen import _kept_works, _notes, _plan, _policy, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_first, wait_for
 from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
@@ -175,6 +175,7 @@ def _finish(
     ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours). ``limits``: what
     :func:`limits_of` gives for them, where the caller kept it.
     """
+    _kept_works.keep(work)  # destroyed by this thread, not gloo's: see _kept_works
     if limits is None:
         limits = _limits(timeout, group, wait, device_type)
     start = time.monotonic()
@@ -213,6 +214,7 @@ def _finish(
                 break
             done = state == "done"
     except PeerFailedError as err:
+        _kept_works.release()  # so that destroying the group closes its connections (see _kept_works)
         raise _failure(err, what, group, _note(group, what), limits, time.monotonic() - start) from err.__cause__
     if done and noted:
         _notes.write(noted[0], "waiting", "")  # arrived: an old note must not describe this rank at a later timeout
@@ -220,6 +222,7 @@ def _finish(
         waited = time.monotonic() - start
         waited = limits.ours if limits.ours is not None and waited < limits.ours + CHECK_BUSY else waited
         source = "the process group's own timeout" if limits.from_group else "`sync_timeout`"
+        _kept_works.release()
         raise SyncTimeoutError(_timeout_message(what, waited, source, limits, group, _notes.describe(found)))
 
 
@@ -291,7 +294,6 @@ def gather_direct(pg: ProcessGroup, output: Tensor, local: Tensor, options: Any)
 
 
 def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> Any:
-    _kept_buffers.keep(output, local)  # until the next sync begins: see _kept_buffers
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, local, group=group, async_op=True)
 
@@ -383,7 +385,7 @@ def exchange_records(
 def begin_exchange(group: ProcessGroup | None) -> tuple[_RecordLength, int]:
     """A sync's metadata exchange begins: the group's length state and the record length every rank sends at."""
     _notes.arm_exit_note()
-    _kept_buffers.release_previous()
+    _kept_works.release()
     length = _state(group)
     return length, next_words(length)
 
@@ -505,7 +507,6 @@ def broadcast_all(
     Every rank passes the same sources and sizes in the same order (they come from the plan). ``meanwhile`` runs
     once they are started, before the wait.
     """
-    _kept_buffers.keep(*(tensor for _, tensor in sections))
     works = [
         dist.broadcast(tensor, src=_global_rank(group, src), group=group, async_op=True) for src, tensor in sections
     ]
@@ -545,7 +546,6 @@ def all_reduce(
     buffers: list[tuple[Tensor, int]], group: ProcessGroup | None, wait: str, timeout: float | None, what: str
 ) -> None:
     """All-reduce each ``(buffer, op)`` in place: all started at once, then waited for."""
-    _kept_buffers.keep(*(buffer for buffer, _ in buffers))
     works = [
         dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
         for buffer, op in buffers
@@ -576,7 +576,6 @@ def gather_to_rank(
         rows = list(output.unbind(0))
     else:
         output = None
-    _kept_buffers.keep(buffer, rows)
     work = dist.gather(buffer, rows, dst=_global_rank(group, dst), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, buffer.device.type)
     return output
@@ -589,7 +588,6 @@ def broadcast_bytes(
     rank = dist.get_rank(group)
     what = f"broadcast of the result from rank {src}"
     size = torch.tensor([len(data) if rank == src and data is not None else 0], dtype=torch.int64, device=device)
-    _kept_buffers.keep(size)
     work = dist.broadcast(size, src=_global_rank(group, src), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, device.type)
     if rank == src:
@@ -597,7 +595,6 @@ def broadcast_bytes(
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _kept_buffers.keep(payload)
     work = dist.broadcast(payload, src=_global_rank(group, src), group=group, async_op=True)
     _finish(work, group, wait, timeout, what, device.type)
     return data if rank == src and data is not None else bytes(payload.cpu().untyped_storage())
@@ -606,11 +603,7 @@ def broadcast_bytes(
 def run_collective(
     start: Callable[[], Any], group: Any, wait: str, timeout: float | None, what: str, device_type: str = "cpu"
 ) -> None:
-    """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other.
-
-    ``start`` is kept until the next sync begins, and with it the tensors it holds (see :mod:`_kept_buffers`).
-    """
-    _kept_buffers.keep(start)
+    """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other."""
     _finish(start(), group, wait, timeout, what, device_type)
 
 
