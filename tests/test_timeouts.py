@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import gc
 import os
 import sys
 import time
@@ -330,9 +331,10 @@ def test_a_peer_that_exited_normally_is_not_reported_as_a_crash(world_size, tmp_
         assert "is_global_zero" in message and "nothing crashed" in message, message
 
 
-def body_works_outlive_their_sync(rank, world_size):
+def body_works_outlive_their_sync(rank, world_size, destroy):
     calls, works = [], []
-    metric = rebase(CatMetric)(sync_timeout=30)
+    group = dist.new_group()
+    metric = rebase(CatMetric)(sync_timeout=30, process_group=group)
     metric.update(torch.ones(100_000 + rank))  # large and uneven: a data step follows the metadata exchange
     waits = _transport._finish
 
@@ -348,17 +350,24 @@ def body_works_outlive_their_sync(rank, world_size):
         _transport._finish = waits
     assert sum(counts.values()) >= 2 and len(works) == sum(counts.values()), (counts, works)
     after_sync = [sys.getrefcount(work) for work in works]
-    metric.update(torch.ones(3))
-    metric.compute()  # the next sync begins: the first one's works are let go
+    if destroy:  # a group destroyed: its connections must close (a job may make its group again on the same port)
+        dist.destroy_process_group(group)
+        del metric, group  # the last references to it (a metric keeps its process group) ...
+        gc.collect()  # ... and a metric is in reference cycles (its wrapped methods)
+    else:
+        metric.update(torch.ones(3))
+        metric.compute()  # the next sync begins: the first one's works are let go
     return after_sync, [sys.getrefcount(work) for work in works]
 
 
+@pytest.mark.parametrize("destroy", [False, True])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_syncs_works_are_destroyed_by_python_not_by_the_backend_thread(world_size):
+def test_a_syncs_works_are_destroyed_by_python_not_by_the_backend_thread(world_size, destroy):
     # gloo's worker drops its reference to a work just after the wait returned; were it the last one, the worker
     # would destroy the work, taking the GIL, which aborts a process that exits right after its last sync (the test
-    # above, under load). Python keeps each work until the next sync begins: one reference more, then let go.
-    for after_sync, after_next in run_distributed(body_works_outlive_their_sync, world_size):
+    # above, under load). Python keeps each work until the next sync begins, or its group is destroyed: one
+    # reference more, then let go.
+    for after_sync, after_next in run_distributed(body_works_outlive_their_sync, world_size, destroy):
         assert [count - 1 for count in after_sync] == after_next, (after_sync, after_next)
 
 

@@ -12,12 +12,14 @@ keeping the work is.
 
 So every work a sync waits for is kept here, and the main thread, holding the GIL, destroys it: when the next sync
 of the process begins (long after the backend's thread let go of it), or at interpreter exit while it tears down
-modules. A work holds its tensors and its group's connections: until then the last sync's send buffers stay alive,
-and a group destroyed after a sync keeps its connections open. After a failed wait every kept work is let go at once,
-so that ``destroy_process_group()`` closes the connections and the peers learn that this rank left.
+modules. A work also holds its group's connections (and through them the rendezvous): so the kept works are let go
+as soon as a group that was synced on is freed (``destroy_process_group()`` frees the world, before a job makes its
+group again on the same port; a group a metric still holds goes with the metric), and at once after a failed wait
+(so that the peers learn that this rank left). Until then the last sync's send buffers stay alive.
 """
 
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
@@ -25,6 +27,21 @@ KEPT_AT_MOST = 256  # a bound for works waited outside any sync's start (Join's 
 
 _KEPT: "deque[Any]" = deque(maxlen=KEPT_AT_MOST)
 _LOCK = threading.Lock()  # the Join worker thread waits for works while the main thread syncs
+_ARMED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the groups whose end lets the kept works go
+
+
+def arm(group: Any) -> None:
+    """Let the kept works go when ``group`` (a process group object) is destroyed; every sync arms its group."""
+    try:
+        if group in _ARMED:
+            return
+        _ARMED.add(group)
+    except TypeError:  # a group that cannot be weakly referenced: its works go at the next sync's start
+        return
+    ending = weakref.finalize(group, release)
+    # Not at interpreter exit: a backend thread may hold the last works for a moment more; the modules' teardown
+    # destroys them later, on this thread.
+    ending.atexit = False
 
 
 def keep(work: Any) -> None:

@@ -386,6 +386,7 @@ def begin_exchange(group: ProcessGroup | None) -> tuple[_RecordLength, int]:
     """A sync's metadata exchange begins: the group's length state and the record length every rank sends at."""
     _notes.arm_exit_note()
     _kept_works.release()
+    _kept_works.arm(group if group is not None else dist.group.WORLD)
     length = _state(group)
     return length, next_words(length)
 
