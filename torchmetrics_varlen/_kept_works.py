@@ -27,17 +27,10 @@ KEPT_AT_MOST = 256  # a bound for works waited outside any sync's start (Join's 
 
 _KEPT: "deque[Any]" = deque(maxlen=KEPT_AT_MOST)
 _LOCK = threading.Lock()  # the Join worker thread waits for works while the main thread syncs
-_ARMED: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the groups whose end lets the kept works go
 
 
-def arm(group: Any) -> None:
-    """Let the kept works go when ``group`` (a process group object) is destroyed; every sync arms its group."""
-    try:
-        if group in _ARMED:
-            return
-        _ARMED.add(group)
-    except TypeError:  # a group that cannot be weakly referenced: its works go at the next sync's start
-        return
+def release_when_freed(group: Any) -> None:
+    """Let the kept works go when ``group`` (a process group object) is freed; called at its first sync."""
     ending = weakref.finalize(group, release)
     # Not at interpreter exit: a backend thread may hold the last works for a moment more; the modules' teardown
     # destroys them later, on this thread.

@@ -355,8 +355,9 @@ def _state(group: ProcessGroup | None) -> _RecordLength:
     pg = group if group is not None else dist.group.WORLD
     with _LOCK:
         state = _LENGTHS.get(pg)
-        if state is None:
+        if state is None:  # the group's first sync
             state = _LENGTHS[pg] = _RecordLength()
+            _kept_works.release_when_freed(pg)
         return state
 
 
@@ -386,7 +387,6 @@ def begin_exchange(group: ProcessGroup | None) -> tuple[_RecordLength, int]:
     """A sync's metadata exchange begins: the group's length state and the record length every rank sends at."""
     _notes.arm_exit_note()
     _kept_works.release()
-    _kept_works.arm(group if group is not None else dist.group.WORLD)
     length = _state(group)
     return length, next_words(length)
 
