@@ -1,5 +1,7 @@
 """The backend policy, forced on made-up backends and work objects: the logic NCCL would run, exercised without NCCL."""
 
+import threading
+
 import pytest
 import torch
 
@@ -259,6 +261,17 @@ def test_forced_policy_is_scoped_to_the_block():
     with _policy.forced(backend="nccl", reduce="always") as policy:
         assert _policy.policy_for(None, torch.device("cpu")) is policy
     assert getattr(_policy._FORCED, "policy", None) is None
+
+
+def test_forced_policy_is_per_thread():
+    # A learnt sync reads it at every sync (`forced_policy`): unset, every thread reads the class default None.
+    seen = []
+    with _policy.forced(backend="nccl") as policy:
+        worker = threading.Thread(target=lambda: seen.append(_policy.forced_policy()))
+        worker.start()
+        worker.join()
+        assert _policy.forced_policy() is policy
+    assert seen == [None] and _policy.forced_policy() is None
 
 
 def test_reduce_mode_from_the_environment(monkeypatch):

@@ -241,3 +241,17 @@ def _not_learnt_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [2])
 def test_the_shortcut_is_learnt_only_where_safe(world_size):
     run_distributed(_not_learnt_body, world_size)
+
+
+def test_settings_read_the_environment_where_os_environ_writes(monkeypatch):
+    # The learnt sync compares the raw environment values it read when it learnt; setting or deleting through
+    # `os.environ` must change what it reads, and a rebound `os.environ` is read through its `get`.
+    monkeypatch.delenv(_cap.SYNC_CAP_ENV, raising=False)
+    unset = _shortcut._settings([{"sync_cap": None}], None)
+    monkeypatch.setenv(_cap.SYNC_CAP_ENV, "1MiB")
+    set_ = _shortcut._settings([{"sync_cap": None}], None)
+    assert unset[-1] is None and set_[-1] is not None and set_ != unset
+    assert _shortcut._settings([{"sync_cap": 5}, {"sync_cap": 3}], None)[0] == 3
+    assert _shortcut._settings([{"sync_cap": 5}], 7)[0] == 7  # a collection's cap replaces the metrics'
+    monkeypatch.setattr(os, "environ", {_cap.SYNC_CAP_ENV: "2MiB"})
+    assert _shortcut._settings([{"sync_cap": None}], None)[-1] == "2MiB"

@@ -117,6 +117,10 @@ def test_sync_flags_and_caches_have_their_initial_values():
     assert metric.process_group is None and callable(metric.distributed_available_fn), _fail(
         "Metric.process_group / distributed_available_fn"
     )
+    # `Metric._distributed` skips calling the default, which asks what `_transport.world_of` asks again
+    assert metric.distributed_available_fn is torchmetrics.metric.jit_distributed_available, _fail(
+        "Metric.distributed_available_fn default (torchmetrics.metric.jit_distributed_available)"
+    )
     assert metric.compute_with_cache is True and metric.dist_sync_on_step is False, _fail(
         "Metric.compute_with_cache / dist_sync_on_step"
     )

@@ -141,7 +141,13 @@ class Facts:
     reduce: str = ""
 
 
-_FORCED = threading.local()
+class _Forced(threading.local):
+    """The policy :func:`forced` set, per thread; unset: the class's None (read at every sync: no AttributeError)."""
+
+    policy: "TransportPolicy | None" = None
+
+
+_FORCED = _Forced()
 _CPU = torch.device("cpu")
 
 
@@ -248,7 +254,7 @@ def policy_for(group: Any, device: torch.device | None, local: torch.device | No
     ``local`` is this rank's first local tensor's device: it never picks the backend, only a device of the kind the
     equal facts picked (see :class:`Facts`).
     """
-    forced: TransportPolicy | None = getattr(_FORCED, "policy", None)
+    forced = _FORCED.policy
     if forced is not None:
         return forced
     backend = backend_of(group)
@@ -266,7 +272,7 @@ def forced_policy() -> "TransportPolicy | None":
     A learnt sync checks it, with the environment, instead of asking for its policy again (see
     :mod:`torchmetrics_varlen._shortcut`).
     """
-    return getattr(_FORCED, "policy", None)
+    return _FORCED.policy
 
 
 @functools.lru_cache(maxsize=64)
@@ -281,7 +287,7 @@ def forced(**fields: Any) -> Generator[TransportPolicy, None, None]:
     """Use a policy with ``fields`` replaced (in this thread) for the syncs inside the block: tests."""
     base = TransportPolicy("gloo", torch.device("cpu"), "auto", "block", None, None)
     policy = replace(base, **fields)
-    previous = getattr(_FORCED, "policy", None)
+    previous = _FORCED.policy
     _FORCED.policy = policy
     try:
         yield policy

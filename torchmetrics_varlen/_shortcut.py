@@ -96,7 +96,7 @@ class Shortcut:
             shapes = {self.kinds[i][1] for i in group.indices}
             how = (
                 "ints"
-                if shapes == {torch.Size()} and group.dtype in _INTEGERS
+                if group.dtype in _INTEGERS and all(shape.numel() == 1 for shape in shapes)
                 else "stack"
                 if len(shapes) == 1
                 else "cat"
@@ -110,11 +110,11 @@ class Shortcut:
         for group in groups:
             cuts = [cut for cut in template.cuts if cut[0] in group.indices]
             if group.dtype in _INTEGERS and all(reductions[i] is dim_zero_sum for i in group.indices):
-                fresh = _FreshSums([self.kinds[i][1] for i in group.indices])
+                fresh = _FreshSums([self.kinds[i][1] for i in group.indices], [keys[i] for i in group.indices])
                 self.sums.append((group.indices, group.dtype, cuts[0][2], cuts[-1][3], fresh))
             else:
                 self.each += [(i, group.dtype, a, b, shape, reductions[i]) for i, _, a, b, shape in cuts]
-        self.fresh = [(indices, fresh) for indices, _, _, _, fresh in self.sums]
+        self.fresh = [fresh for _, _, _, _, fresh in self.sums]
         self.world_size = world_size
         self._allocate(_transport.INITIAL_WORDS, list(template.prefix))
 
@@ -138,9 +138,10 @@ class Shortcut:
         # Every rank's data, viewed per reduction: [world_size, ...] for each sum group and each other entry
         table = self.table.view(self.world_size, words).view(torch.uint8)[:, 8 * self.described :]
         raw = self.rows.view("u1")[:, 8 * self.described :]  # numpy: a cold sum costs less there than in torch
+        # With two ranks an int64 sum is one add (cheaper right after a collective than a reduce), else a reduce
         self.summed = [
-            (indices, raw[:, start:stop].view(_protocol.NUMPY_DTYPES[dtype]))
-            for indices, dtype, start, stop, _ in self.sums
+            (self.world_size == 2 and dtype == torch.int64, raw[:, start:stop].view(_protocol.NUMPY_DTYPES[dtype]))
+            for _, dtype, start, stop, _ in self.sums
         ]
         self.reduced = [
             (index, table[:, start:stop].view(dtype).view(shape), reduction)
@@ -218,12 +219,14 @@ class Shortcut:
             return None
         states = []
         try:
-            for index, name in self.keys:
-                states.append(attrs[index][name])
-            # dtype and shape as learnt, and no graph; the copy into the record refuses the rest (other devices,
-            # layouts). Two entries holding one tensor are two entries here, as with stock's sync.
-            if [(state.dtype, state.shape) for state in states] != self.expect:
-                return None
+            # dtype and shape as learnt, and no graph; the copy into the record refuses what it cannot copy from
+            # (a layout, or a device for a stack): the long way then. Two entries holding one tensor are two
+            # entries here, as with stock's sync.
+            for (index, name), kind in zip(self.keys, self.expect):
+                state = attrs[index][name]
+                if (state.dtype, state.shape) != kind:
+                    return None
+                states.append(state)
             for index in self.graphs:  # a graph makes the long way's record another one (FLAG_GRAD)
                 if states[index].requires_grad:
                     return None
@@ -235,21 +238,22 @@ class Shortcut:
         """The synced states' dicts with fresh tensors for the integer sums, to be summed into; made in flight."""
         # What the long way's start does before its exchange (see _kept_works)
         _kept_works.release()
-        out: list[StateDict] = [{} for _ in range(self.count)]
-        keys = self.keys
+        out: list[StateDict] = [{}] if self.count == 1 else [{} for _ in range(self.count)]
         sums = []
-        for indices, fresh in self.fresh:
+        for fresh in self.fresh:
             summed, parts = fresh.ready.pop() if fresh.ready else fresh.take()
-            for index, part in zip(indices, parts):
-                metric, name = keys[index]
-                out[metric][name] = part
+            for metric, states in parts:
+                out[metric].update(states)
             sums.append(summed)
         return out, sums
 
     def _reduce(self, out: list[StateDict], sums: list[Any]) -> list[StateDict]:
         """Each state reduced over every rank's values in the table, as stock reduces the gathered states."""
-        for (_, gathered), summed in zip(self.summed, sums):
-            np.add.reduce(gathered, 0, _INT64, summed)  # exact: integer sums wrap alike in any order
+        for (pair, gathered), summed in zip(self.summed, sums):  # exact: integer sums wrap alike in any order
+            if pair:
+                np.add(gathered[0], gathered[1], summed)
+            else:
+                np.add.reduce(gathered, 0, _INT64, summed)
         keys = self.keys
         for index, each, reduction in self.reduced:
             metric, name = keys[index]
@@ -268,20 +272,23 @@ class _FreshSums:
 
     BATCH_ROWS, BATCH_BYTES = 64, 8192
 
-    def __init__(self, shapes: list[torch.Size]) -> None:
-        self.shapes = shapes
+    def __init__(self, shapes: list[torch.Size], keys: list[tuple[int, str]]) -> None:
+        self.shapes, self.keys = shapes, keys  # the entries' shapes, and their (metric index, state name)
         self.numels = [shape.numel() for shape in shapes]
         self.numel = sum(self.numels)
         self.rows = max(1, min(self.BATCH_ROWS, self.BATCH_BYTES // max(8 * self.numel, 1)))
-        self.ready: list[tuple[Any, Sequence[Tensor]]] = []
+        self.ready: list[tuple[Any, list[tuple[int, StateDict]]]] = []
 
-    def take(self) -> tuple[Any, Sequence[Tensor]]:
-        """The numpy view of a fresh sum (int64, for every integer dtype, as stock's sum) and its entries' tensors."""
+    def take(self) -> tuple[Any, list[tuple[int, StateDict]]]:
+        """The numpy view of a fresh sum (int64, for every integer dtype, as stock's sum) and its entries' tensors.
+
+        The tensors come as ``(metric index, {state name: tensor})`` pairs: a sync adds each dict to its metric's.
+        """
         if not self.ready:
             self.ready = self._make()
         return self.ready.pop()
 
-    def _make(self) -> list[tuple[Any, Sequence[Tensor]]]:
+    def _make(self) -> list[tuple[Any, list[tuple[int, StateDict]]]]:
         block = torch.empty(self.rows, self.numel, dtype=torch.int64)
         count = len(self.shapes)
         if len(set(self.shapes)) == 1:  # one shape: every entry of the batch in one unbind
@@ -292,13 +299,23 @@ class _FreshSums:
                 [part.view(shape) for part, shape in zip(row.split_with_sizes(self.numels), self.shapes)]
                 for row in block.unbind()
             ]
-        return list(zip(block.numpy(), parts))[::-1]
+        made = []
+        for summed, tensors in zip(block.numpy(), parts):
+            per_metric: dict[int, StateDict] = {}
+            for (metric, name), tensor in zip(self.keys, tensors):
+                per_metric.setdefault(metric, {})[name] = tensor
+            made.append((summed, list(per_metric.items())))
+        return made[::-1]
 
 
 # The environment variables a sync's record depends on, and their names as os.environ keeps them on POSIX
 _WATCHED = (_policy.REDUCE_ENV, _cap.SYNC_CAP_ENV)
 _WATCHED_KEYS = tuple(os.fsencode(name) for name in _WATCHED)
-_POSIX = os.name == "posix"
+# On POSIX, the dict of encoded names and values that setting or deleting through ``os.environ`` writes (the same
+# object for as long as ``os.environ`` is not rebound); elsewhere, or if it is not there, None: ``os.environ.get``.
+_OS_ENVIRON = os.environ
+_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENVIRON = _ENVIRON if type(_ENVIRON) is dict else None
 
 
 def _settings(attrs: Sequence[dict[str, Any]], cap: int | None) -> tuple[Any, ...]:
@@ -315,9 +332,8 @@ def _settings(attrs: Sequence[dict[str, Any]], cap: int | None) -> tuple[Any, ..
             own = attr.get("sync_cap")
             if own is not None and (cap is None or own < cap):
                 cap = own
-    data = getattr(os.environ, "_data", None)
-    if _POSIX and type(data) is dict:
-        return cap, _policy.forced_policy(), data.get(_WATCHED_KEYS[0]), data.get(_WATCHED_KEYS[1])
+    if os.environ is _OS_ENVIRON and _ENVIRON is not None:
+        return cap, _policy.forced_policy(), _ENVIRON.get(_WATCHED_KEYS[0]), _ENVIRON.get(_WATCHED_KEYS[1])
     return cap, _policy.forced_policy(), os.environ.get(_WATCHED[0]), os.environ.get(_WATCHED[1])
 
 

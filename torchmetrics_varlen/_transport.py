@@ -55,9 +55,12 @@ _BACKEND_TIMEOUT = re.compile(r"timed? ?out|timing out", re.IGNORECASE)
 
 def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
     """``(rank, world_size)`` within ``group``, or None when no sync is needed (no process group, or a group of one)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _DISTRIBUTED:
         return None
-    pg = group if group is not None else dist.group.WORLD
+    default = dist.group.WORLD  # None: not initialized (what `dist.is_initialized()` asks; every sync asks)
+    if default is None:
+        return None
+    pg = group if group is not None else default
     last = _LAST_WORLD[0]
     if last is not None and last[0]() is pg:  # the group asked last: no weak-key lookup (every sync asks)
         return last[1]
@@ -73,6 +76,7 @@ def world_of(group: ProcessGroup | None) -> tuple[int, int] | None:
     return world
 
 
+_DISTRIBUTED = dist.is_available()  # built with torch.distributed: fixed for the process
 # A group's ranks never change, and every sync asks more than once: kept per group object, weakly (a destroyed
 # group takes its entry along; one made later is looked up afresh).
 _WORLDS: "weakref.WeakKeyDictionary[Any, tuple[int, int] | None]" = weakref.WeakKeyDictionary()

@@ -11,6 +11,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
+from torchmetrics import metric as _tm_metric
 from torchmetrics.utilities import distributed as _tm_distributed
 from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
@@ -46,7 +47,11 @@ def resolve_timeout(sync_timeout: float | None) -> float | None:
 def local_state_copy(metric: StockMetric) -> StateDict:
     """The states as they are now; lists are copied so that a compute appending to them cannot alter the cache."""
     attrs = vars(metric)
-    return {name: list(value) if isinstance(value := attrs[name], list) else value for name in metric._defaults}
+    copy = {}
+    for name in metric._defaults:  # a loop: a comprehension is one more call, at every sync
+        value = attrs[name]
+        copy[name] = list(value) if isinstance(value, list) else value
+    return copy
 
 
 def set_states(metric: StockMetric, states: StateDict) -> None:
@@ -181,7 +186,8 @@ class Metric(StockMetric, JoinableMetric):
 
     def _distributed(self, distributed_available: Callable[[], bool] | None = None) -> bool:
         available = distributed_available or self.distributed_available_fn
-        if not (callable(available) and available()):
+        # torchmetrics' default asks what `world_of` asks first: every sync asks, so once
+        if available is not _tm_metric.jit_distributed_available and not (callable(available) and available()):
             return False
         return _transport.world_of(self.process_group) is not None  # a group of one has nothing to sync
 
