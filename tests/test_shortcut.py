@@ -13,6 +13,7 @@ from torchmetrics.classification import BinaryAccuracy, MulticlassStatScores
 from torchmetrics.regression import MeanSquaredError
 
 from torchmetrics_varlen import Metric, _cap, _policy, _protocol, _shortcut, _state_sync, _transport, rebase
+from torchmetrics_varlen.tools.demo._common import CollectiveCounter
 
 STEPS = 7
 CHANGED = (3, 4)  # steps at which the last rank syncs with another transfer cap in its environment
@@ -255,3 +256,27 @@ def test_settings_read_the_environment_where_os_environ_writes(monkeypatch):
     assert _shortcut._settings([{"sync_cap": 5}], 7)[0] == 7  # a collection's cap replaces the metrics'
     monkeypatch.setattr(os, "environ", {_cap.SYNC_CAP_ENV: "2MiB"})
     assert _shortcut._settings([{"sync_cap": None}], None)[-1] == "2MiB"
+
+
+def _counted_body(rank, world_size):
+    """The demo's and the benchmark's collective counter counts a learnt sync's one exchange."""
+    taken, original = _counting_shortcuts()
+    metric = rebase(BinaryAccuracy)()
+    metric.update(torch.rand(4 + rank), torch.randint(0, 2, (4 + rank,)))
+    counts = []
+    try:
+        for _ in range(3):
+            with CollectiveCounter() as counter:
+                metric.sync()
+                metric.unsync()
+            counts.append(counter.count)
+    finally:
+        _shortcut.Shortcut._reduce = original
+    assert len(taken) == 2 and counts == [1, 1, 1], (taken, counts)  # the first sync learnt, the others took it
+    assert _transport.gather_direct.__name__ == "gather_direct"  # put back
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_the_collective_counter_counts_the_learnt_exchange(world_size):
+    run_distributed(_counted_body, world_size)

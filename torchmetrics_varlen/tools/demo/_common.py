@@ -6,6 +6,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from torchmetrics_varlen import _transport
+
 Rows = dict[str, Any]  # method name -> list of per-rank results, or the text of what went wrong ("HANG: ...")
 
 TODAY, STOCK, OURS, NOTE = "today", "stock", "ours", "note"  # roles: only OURS rows decide the exit status
@@ -37,7 +39,11 @@ class Section:
 
 
 class CollectiveCounter:
-    """Counts ``torch.distributed`` collective calls made while active (nested calls count once)."""
+    """Counts ``torch.distributed`` collective calls made while active (nested calls count once).
+
+    A learnt small sync's exchange calls its group's own ``all_gather_single`` (``_transport.gather_direct``): counted
+    as the one collective it is.
+    """
 
     NAMES = ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast")
 
@@ -51,6 +57,8 @@ class CollectiveCounter:
             if hasattr(dist, name):
                 self._originals[name] = original = getattr(dist, name)
                 setattr(dist, name, self._wrap(original))
+        self._direct = _transport.gather_direct
+        _transport.gather_direct = self._wrap(self._direct)
         return self
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,6 +75,7 @@ class CollectiveCounter:
     def __exit__(self, *exc: object) -> None:
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
+        _transport.gather_direct = self._direct
 
 
 def failure_text(err: BaseException) -> str:
