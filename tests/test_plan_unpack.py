@@ -55,9 +55,11 @@ def _entries(rank):
     ]
 
 
-@pytest.mark.parametrize("index", ["int32", "int64", "sections"])
+@pytest.mark.parametrize("index", ["int32", "int64", "sections", "default"])
 @pytest.mark.parametrize("world", [2, 5, 17, 100])
 def test_unpacked_entries_equal_the_ranks_entries(world, index, monkeypatch):
+    if index in ("int32", "int64"):
+        monkeypatch.setattr(_buffers, "SLICE_MAX_SECTIONS", 0)  # the element index, however few the sections
     if index == "int64":
         monkeypatch.setattr(_buffers, "INDEX32_ELEMENTS", 0)  # the wide element index of very large buffers
     if index == "sections":
@@ -182,3 +184,34 @@ def test_ranks_without_data_take_the_plan_of_those_with_data():
     assert [(tuple(t.shape), t.dtype) for t in results[0]] == [((0, 3), torch.float32)] + [
         (tuple(t.shape), torch.float32) for t in (per_rank[1][0], per_rank[2][0])
     ]
+
+
+LIST_PROBLEMS = {
+    # (the last rank's entries, the words of the message): `describe` checks each item as it checks a tensor state
+    "an item that is no tensor": ([torch.ones(2), [torch.ones(1), 3.0]], "a list state holding something that is not"),
+    "items of two dtypes": ([torch.ones(2), [torch.ones(1), torch.ones(2, dtype=torch.int64)]], "different dtypes"),
+    "a sparse item": ([torch.ones(2), [torch.ones(2), torch.ones(2).to_sparse()]], "non-strided"),
+    "an item of too many dims": ([torch.ones(2), [torch.ones((1,) * (_protocol.MAX_NDIM + 1))]], "more than"),
+    "a state that is no tensor nor list": ([torch.ones(2), "text"], "not a tensor"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIST_PROBLEMS))
+def test_a_rank_whose_list_state_cannot_travel_is_named(case):
+    last, words = LIST_PROBLEMS[case]
+    per_rank = [[torch.ones(2), [torch.ones(3)]], [torch.ones(2), [torch.zeros(0), torch.ones(1)]], last]
+    table = torch.tensor([_protocol.describe(entries, 3, "t") for entries in per_rank])
+    with pytest.raises(SyncMismatchError, match="rank 2 holds") as raised:
+        _plan.make_plan(table, "t", reduce="never", cat=[False, True])
+    assert words in str(raised.value) and "in `entry 1`" in str(raised.value)
+
+
+def test_the_record_of_a_list_state_counts_its_items_and_takes_the_dtype_of_its_data():
+    # An empty first item does not set the dtype; a list of empty items only keeps its first item's.
+    entries = [[torch.zeros(0), torch.ones(2, 3, dtype=torch.int32), torch.ones(1, 3, dtype=torch.int32)]]
+    entries.append([torch.zeros(0, dtype=torch.float64)])
+    table = torch.tensor([_protocol.describe(entries, 3, "t")] * 2)
+    plan = _plan.make_plan(table, "t", reduce="never", cat=[True, True])
+    joined, empty = plan.entries
+    assert joined.dtype == torch.int32 and joined.numels.tolist() == [9, 9] and joined.items.tolist() == [3, 3]
+    assert empty.dtype is None and _protocol.dtype_of(int(empty.dtype_codes[0])) == torch.float64

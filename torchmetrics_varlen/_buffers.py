@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -102,32 +103,66 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.dev
     buffer = _send_buffer(plan.max_bytes, device)
     with torch.no_grad():
         for group in plan.groups:
-            flat = [entries[i].reshape(-1).to(device) for i in group.indices]  # type: ignore[union-attr]
-            torch.cat(flat, out=buffer[group.start : group.start + group.nbytes].view(group.dtype))
-        for entry, eplan in zip(entries, plan.entries):
-            if isinstance(entry, Ref) or eplan.dense:
+            section = buffer[group.start : group.start + group.nbytes].view(group.dtype)
+            try:  # states on the buffer's device, as nearly always: no move per state (cat refuses other devices)
+                torch.cat([entries[i].reshape(-1) for i in group.indices], out=section)  # type: ignore[union-attr]
+            except RuntimeError:
+                torch.cat([entries[i].reshape(-1).to(device) for i in group.indices], out=section)  # type: ignore[union-attr]
+        raw = buffer.numpy() if buffer.device.type == "cpu" else None
+        for entry, (eplan, offset, table_bytes, numel) in zip(entries, _sections(plan, rank)):
+            if isinstance(entry, Ref) or eplan is None:
                 continue
-            assert eplan.offsets is not None and eplan.table_bytes is not None
-            offset = int(eplan.offsets[rank])
             items = [entry] if isinstance(entry, Tensor) else entry
-            if eplan.kind == KIND_LIST and int(eplan.table_bytes[rank]) > 0:
+            if eplan.kind == KIND_LIST and table_bytes > 0:
                 shape_table = [slot for item in items for slot in shape_slots(item.shape)]
-                table_view = buffer[offset : offset + len(shape_table) * 8].view(torch.int64)
-                table_view.copy_(torch.tensor(shape_table, dtype=torch.int64))
-                offset += int(eplan.table_bytes[rank])
-            if eplan.dtype is None or eplan.route == ROUTE_BCAST:  # broadcast data goes into its result directly
-                continue
+                if raw is not None:
+                    raw[offset : offset + len(shape_table) * 8].view(np.int64)[:] = shape_table
+                else:
+                    table_view = buffer[offset : offset + len(shape_table) * 8].view(torch.int64)
+                    table_view.copy_(torch.tensor(shape_table, dtype=torch.int64))
+                offset += table_bytes
+            if eplan.dtype is None or eplan.route == ROUTE_BCAST or numel == 0:  # broadcast data goes straight
+                continue  # into its result
             # One copy per entry, however many items: a `cat` list of a hundred batches costs one operation, not a
             # hundred (the section is contiguous, so the items' bytes follow each other in row-major order).
-            data = [item.reshape(-1).to(device) for item in items if item.numel()]
-            if data:
-                count = sum(part.numel() for part in data)
-                section = buffer[offset : offset + count * eplan.dtype.itemsize].view(eplan.dtype)
-                if len(data) == 1:
-                    section.copy_(data[0])
-                else:
-                    torch.cat(data, out=section)
+            section = buffer[offset : offset + numel * eplan.dtype.itemsize].view(eplan.dtype)
+            _copy_items(items, section, device)
     return buffer
+
+
+def _sections(plan: Plan, rank: int) -> list[tuple[EntryPlan | None, int, int, int]]:
+    """Per entry, where this rank's section of a gathered entry begins, its shape table's bytes and its elements.
+
+    None for the dense entries (their groups are packed together). Worked out once per plan and rank.
+    """
+    found = plan.memo.get(("sections", rank))
+    if found is None:
+        found = plan.memo[("sections", rank)] = [
+            (None, 0, 0, 0)
+            if eplan.dense or eplan.offsets is None or eplan.table_bytes is None
+            else (eplan, int(eplan.offsets[rank]), int(eplan.table_bytes[rank]), int(eplan.numels[rank]))
+            for eplan in plan.entries
+        ]
+    return found  # type: ignore[return-value]
+
+
+def _copy_items(items: list[Tensor], section: Tensor, device: torch.device) -> None:
+    """The items' elements, in order, into ``section`` (exactly their number of elements)."""
+    first = items[0]
+    if first.dim() and first.numel():
+        # Items of one trailing shape on the buffer's device (a `cat` state's batches) go in one `cat` into the
+        # section viewed in that shape; anything else (0-d or empty first items, other shapes or devices) is refused
+        # by `cat` (the numbers of elements are equal, so the view's shape is the one `cat` makes) and flattened.
+        try:
+            torch.cat(items, out=section.view(-1, *first.shape[1:]))
+            return
+        except RuntimeError:
+            pass
+    data = [item.reshape(-1).to(device) for item in items if item.numel()]
+    if len(data) == 1:
+        section.copy_(data[0])
+    else:
+        torch.cat(data, out=section)
 
 
 def pack_reduced(entries: Sequence[LocalEntry], plan: Plan, device: torch.device) -> list[Tensor]:
@@ -233,16 +268,16 @@ def unpack(
     results: list[Result | None] = [None] * len(plan.entries)
     if rows is None:
         rows = torch.empty(world, 0, dtype=torch.uint8)
-    for group in plan.groups:
-        block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
-        for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
-            stacked = part.reshape(world, *plan.entries[index].shape)
-            results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
+    _unpack_dense(rows, plan, devices, results)
     for index, data in broadcast.items():
         if plan.entries[index].dense:
             results[index] = Stacked(data.view(world, *plan.entries[index].shape).to(devices[index]))
-    gathered = [index for index, eplan in enumerate(plan.entries) if not eplan.dense and eplan.route != ROUTE_REDUCE]
-    referring = {index for index in gathered if bool((plan.entries[index].refs >= 0).any())}
+    found = plan.memo.get("gathered")
+    if found is None:
+        listing = [index for index, eplan in enumerate(plan.entries) if not eplan.dense and eplan.route != ROUTE_REDUCE]
+        found = plan.memo["gathered"] = (listing, {i for i in listing if bool((plan.entries[i].refs >= 0).any())})
+    gathered: list[int] = found[0]  # type: ignore[index]
+    referring: set[int] = found[1]  # type: ignore[index]
     joins = [index for index in gathered if cat is not None and cat[index] and index not in referring]
     joined = _joined(rows, plan, joins, devices, broadcast)
     for index in gathered:
@@ -257,37 +292,67 @@ def unpack(
     return results
 
 
+def _unpack_dense(rows: Tensor, plan: Plan, devices: Sequence[torch.device], results: list[Result | None]) -> None:
+    """The dense entries as ``[world_size, *shape]`` views of ``rows``, into ``results``.
+
+    On the CPU they are numpy views (as :func:`unpack_inline` cuts them), each made a tensor once: a fraction of
+    the cost of tensor slicing, which right after a collective costs several microseconds an operation.
+    """
+    cuts = plan.memo.get("cuts", False)
+    if cuts is False:
+        cuts = plan.memo["cuts"] = inline_cuts(plan)
+    if rows.device.type == "cpu" and cuts is not None and plan.groups:
+        raw = rows.numpy()
+        for index, dtype, start, stop, shape in cuts:  # type: ignore[attr-defined]
+            stacked = torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape))
+            results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
+        return
+    world = plan.world_size
+    for group in plan.groups:
+        block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
+        for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
+            stacked = part.reshape(world, *plan.entries[index].shape)
+            results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
+
+
 # The element index is int32 (half the memory to write and read) while every position fits, with room for the
 # jumps between positions (see ``_select``).
 INDEX32_ELEMENTS = 2**30
 SLICE_MIN_AVERAGE = 4096  # elements per section, on average, from which sections are cut one by one
+# Up to this many sections of one dtype (entries x ranks) are cut one by one whatever their size: a slice costs a
+# few microseconds, an element index some fifty whatever it selects (2 gloo ranks here, right after the gather).
+SLICE_MAX_SECTIONS = 16
 
 
-def _select(rows: Tensor, starts: Tensor, counts: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """For each entry ``e``: elements ``[starts[e, r], starts[e, r] + counts[e, r])`` of every rank ``r``'s row.
+def _select(rows: Tensor, starts: list[list[int]], counts: list[list[int]], dtype: torch.dtype) -> list[Tensor]:
+    """For each entry ``e``: elements ``[starts[e][r], starts[e][r] + counts[e][r])`` of every rank ``r``'s row.
 
-    ``starts`` (bytes) and ``counts`` (elements) are ``[k, W]``; each entry's elements come back concatenated in rank
-    order. One element index for all ``k`` entries and one ``index_select`` each, whatever the number of ranks: the
-    rows are one contiguous buffer, and every section is aligned to its dtype, so each element's place follows from
-    its rank's start. The index is a cumulative sum of ones with a jump where each section starts, built in place:
-    fewer passes over fewer fresh pages than repeating each section's start and adding a range.
+    ``starts`` (bytes) and ``counts`` (elements) are ``k`` lists of ``W``; each entry's elements come back
+    concatenated in rank order. Few or large sections are sliced out one by one, one copy per entry. Otherwise one
+    element index for all ``k`` entries and one ``index_select`` each, whatever the number of ranks: the rows are one
+    contiguous buffer, and every section is aligned to its dtype, so each element's place follows from its rank's
+    start. The index is a cumulative sum of ones with a jump where each section starts, built in place: fewer
+    passes over fewer fresh pages than repeating each section's start and adding a range.
     """
-    totals = counts.sum(dim=1).tolist()
+    totals = [sum(row) for row in counts]
     total = sum(totals)
     if total == 0:
         return [torch.empty(0, dtype=dtype, device=rows.device) for _ in totals]
     world, width = rows.shape
     flat = rows.reshape(-1).view(dtype)
-    first = ((torch.arange(world, dtype=torch.int64) * width + starts) // dtype.itemsize).reshape(-1)
-    sizes = counts.reshape(-1)
-    if total >= SLICE_MIN_AVERAGE * sizes.numel():
-        # Large sections (a big `cat` state on few ranks): one slice each and one copy per entry, at memory speed,
-        # where an element index would cost several times the data it selects.
-        sections = list(zip(first.view(counts.shape).tolist(), counts.tolist(), strict=True))
-        return [
-            torch.cat([flat[f : f + c] for f, c in zip(*section, strict=True) if c]) if total_e else flat.new_empty(0)
-            for section, total_e in zip(sections, totals, strict=True)
-        ]
+    size, sections = dtype.itemsize, len(totals) * world
+    if sections <= SLICE_MAX_SECTIONS or total >= SLICE_MIN_AVERAGE * sections:
+        # Large sections (a big `cat` state on few ranks) are copied at memory speed, where an element index would
+        # cost several times the data it selects; few small ones cost less as slices than the index takes to build.
+        out = []
+        for starts_e, counts_e in zip(starts, counts, strict=True):
+            firsts = [(rank * width + start) // size for rank, start in enumerate(starts_e)]
+            parts = [flat[first : first + count] for first, count in zip(firsts, counts_e, strict=True) if count]
+            out.append(torch.cat(parts) if parts else flat.new_empty(0))
+        return out
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    first = (torch.arange(world, dtype=torch.int64) * width + torch.tensor(starts, dtype=torch.int64)) // size
+    first, sizes = first.reshape(-1), counts_t.reshape(-1)
     begins = sizes.cumsum(0) - sizes  # where each section starts in the output
     # The running sum of ones is begin + 1 at a section's first element, which must be first: the jumps up to there
     # add up to first - begin - 1. Empty sections share their begin with the next section; their jumps cancel out.
@@ -303,25 +368,29 @@ def _joined(
 ) -> dict[int, Joined]:
     """The ``cat`` entries among ``indices`` whose items' shapes allow it as one tensor each, of all ranks' data.
 
-    Which entries join, and to what trailing dims, is decided for all of them at once; entries of one dtype are cut
-    out together (see ``_select``). A broadcast entry's data is already joined: it is viewed in that shape.
+    Which entries join, to what trailing dims, and where each rank's data lies are decided for all of them at once,
+    once per plan; entries of one dtype are cut out together (see ``_select``). A broadcast entry's data is already
+    joined: it is viewed in that shape.
     """
     out: dict[int, Joined] = {}
     if not indices:
         return out
     entries = [plan.entries[index] for index in indices]
     listed = [eplan.kind == KIND_LIST for eplan in entries]
-    counts = torch.stack([eplan.numels for eplan in entries])  # [k, W]
     key = ("joined", *indices)
     found = plan.memo.get(key)
     if found is None:
+        numels = torch.stack([eplan.numels for eplan in entries])  # [k, W]
         items = torch.stack([eplan.items for eplan in entries])
         # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
-        holds = torch.where(torch.tensor(listed).unsqueeze(1), items, counts) > 0
+        holds = torch.where(torch.tensor(listed).unsqueeze(1), items, numels) > 0
         shapes = _common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
-        found = plan.memo[key] = (shapes, any_along(holds, dim=1).tolist())
+        starts = torch.stack([_data_start(eplan) for eplan in entries]).tolist()
+        found = plan.memo[key] = (shapes, any_along(holds, dim=1).tolist(), starts, numels.tolist())
     trailing: list[tuple[int, ...] | None] = found[0]  # type: ignore[index]
     held_any: list[bool] = found[1]  # type: ignore[index]
+    data_starts: list[list[int]] = found[2]  # type: ignore[index]
+    data_counts: list[list[int]] = found[3]  # type: ignore[index]
     pending: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
     for position, (index, eplan, shape, held) in enumerate(zip(indices, entries, trailing, held_any, strict=True)):
         if listed[position] and not held:
@@ -334,11 +403,10 @@ def _joined(
             out[index] = Joined(broadcast[index].view(-1, *shape).to(devices[index]))
         else:
             pending.setdefault(eplan.dtype, []).append((position, shape))
-    if pending:
-        starts = torch.stack([_data_start(eplan) for eplan in entries])
     for dtype, members in pending.items():
-        chosen = torch.tensor([position for position, _ in members])
-        for (position, shape), data in zip(members, _select(rows, starts[chosen], counts[chosen], dtype), strict=True):
+        starts = [data_starts[position] for position, _ in members]
+        counts = [data_counts[position] for position, _ in members]
+        for (position, shape), data in zip(members, _select(rows, starts, counts, dtype), strict=True):
             out[indices[position]] = Joined(data.view(-1, *shape).to(devices[indices[position]]))
     return out
 

@@ -155,19 +155,18 @@ def describe(
         elif isinstance(entry, Ref):
             slots += _pack_slot(KIND_REF, 0, 0, entry.index, word, ())
             continue
+        elif isinstance(entry, list):
+            problem, dtype, numel = _list_problem(entry)
+            if problem == ERR_NONE:
+                dtype_code = _DTYPE_CODE[dtype] if dtype is not None else 0
+                shape_words = _item_shape_slots(entry)
+                slots += _pack_slot(KIND_LIST, dtype_code, numel, len(entry), word, shape_words[1:], shape_words[0])
+                continue
         else:
-            problem = _entry_problem(entry)
-        if problem != ERR_NONE:
-            if error == ERR_NONE:  # the first problem is the one reported
-                error, error_entry = problem, index
-            slots += _pack_slot(0, 0, 0, 0, word, ())
-        else:  # a list: `_entry_problem` found no other kind
-            assert isinstance(entry, list)
-            nonempty = [t for t in entry if t.numel() > 0]
-            dtype_code = _DTYPE_CODE[(nonempty or entry)[0].dtype] if entry else 0
-            numel = sum(t.numel() for t in entry)
-            shape_words = _item_shape_slots(entry)
-            slots += _pack_slot(KIND_LIST, dtype_code, numel, len(entry), word, shape_words[1:], shape_words[0])
+            problem = ERR_NOT_TENSOR
+        if error == ERR_NONE:  # the first problem is the one reported
+            error, error_entry = problem, index
+        slots += _pack_slot(0, 0, 0, 0, word, ())
     data = _inline_words(entries) if inline and error == ERR_NONE else None
     flags |= FLAG_INLINE if data is not None else 0
     words = record_words(len(entries)) + (len(data) if data is not None else 0)
@@ -303,21 +302,27 @@ def _tensor_problem(layout: torch.layout, dtype: torch.dtype, shape: Sequence[in
     return ERR_DIM if max(shape, default=0) > MAX_DIM else ERR_NONE
 
 
-def _entry_problem(entry: Entry) -> int:
-    if isinstance(entry, Tensor):
-        return _tensor_problem(entry.layout, entry.dtype, entry.shape)
-    if not isinstance(entry, list):
-        return ERR_NOT_TENSOR
-    dtypes = set()
-    for item in entry:
+def _list_problem(items: Sequence[object]) -> tuple[int, torch.dtype | None, int]:
+    """A list state's problem code, the dtype of its items (of the non-empty ones), and its number of elements.
+
+    One pass over the items, each checked as a tensor state is (kept per dtype and shape: a `cat` state's batches
+    share them). The dtype is the first item's where every item is empty, None for an empty list.
+    """
+    dtypes: set[torch.dtype] = set()
+    numel = 0
+    for item in items:
         if not isinstance(item, Tensor):
-            return ERR_NOT_TENSOR
-        problem = _entry_problem(item)
+            return ERR_NOT_TENSOR, None, 0
+        problem, _, count, _ = _tensor_slot(item.layout, item.dtype, item.shape)
         if problem != ERR_NONE:
-            return problem
-        if item.numel() > 0:
+            return problem, None, 0
+        if count:
             dtypes.add(item.dtype)
-    return ERR_LIST_DTYPE if len(dtypes) > 1 else ERR_NONE
+            numel += count
+    if len(dtypes) > 1:
+        return ERR_LIST_DTYPE, None, 0
+    first = items[0].dtype if items and isinstance(items[0], Tensor) else None
+    return ERR_NONE, dtypes.pop() if dtypes else first, numel
 
 
 # ------------------------------------------------------------------------------------------------- dense layout
