@@ -382,17 +382,12 @@ def exchange_records(
 
     ``words`` is the group's agreed length: a record's own length is in its header (``H_WORDS``), zeros follow.
     """
-    length, words = begin_exchange(group)
-    table = _exchange_at(record, words, group, device, wait, timeout, what)
-    return settle(table, record, length, words, group, device, wait, timeout, what)
-
-
-def begin_exchange(group: ProcessGroup | None) -> tuple[_RecordLength, int]:
-    """A sync's metadata exchange begins: the group's length state and the record length every rank sends at."""
     _notes.arm_exit_note()
-    _kept_works.release()
     length = _state(group)
-    return length, next_words(length)
+    words = next_words(length)
+    # The last sync's works go while the records travel (see _kept_works): the peers wait for this rank's issue.
+    table = _exchange_at(record, words, group, device, wait, timeout, what, _kept_works.release)
+    return settle(table, record, length, words, group, device, wait, timeout, what)
 
 
 def next_words(length: _RecordLength) -> int:
@@ -470,6 +465,7 @@ def _exchange_at(
     wait: str,
     timeout: float | None,
     what: str,
+    meanwhile: Callable[[], Any] | None = None,
 ) -> Tensor:
     padded = array.array("q", record[:words])
     padded.frombytes(bytes(8 * (words - len(padded))))
@@ -477,7 +473,10 @@ def _exchange_at(
     local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
-    _finish(_gather_equal(table, local, group), group, wait, timeout, what, device.type)
+    work = _gather_equal(table, local, group)
+    if meanwhile is not None:
+        meanwhile()
+    _finish(work, group, wait, timeout, what, device.type)
     table = table.view(world_size, words)
     return table if device.type == "cpu" else table.cpu()
 
