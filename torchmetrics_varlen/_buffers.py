@@ -80,6 +80,7 @@ Result = Stacked | Joined | Reduced | list[Tensor | list[Tensor]]  # a list: one
 
 _CACHE = threading.local()  # per thread: the Join worker thread packs while the main thread may too
 SEND_BUFFER_CACHE_BYTES = 64 * 2**20
+_CPU = torch.device("cpu")
 
 
 def _send_buffer(nbytes: int, device: torch.device) -> Tensor:
@@ -219,7 +220,7 @@ def unpack_inline(table: Tensor, described: int, plan: Plan) -> list[Result | No
     cuts = inline_cuts(plan)
     if cuts is None:
         rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
-        return unpack(rows, plan, [torch.device("cpu")] * len(plan.entries))
+        return unpack(rows, plan, [_CPU] * len(plan.entries))
     return cut_inline(table.numpy(), described, cuts, len(plan.entries))
 
 
@@ -227,7 +228,14 @@ Cut = tuple[int, Any, int, int, tuple[int, ...]]  # entry, numpy dtype, first an
 
 
 def inline_cuts(plan: Plan) -> list[Cut] | None:
-    """Where each dense entry of an inline plan lies in a record's data bytes; None for a dtype numpy lacks."""
+    """Where each dense entry of a plan lies in a rank's data bytes; None for a dtype numpy lacks. Kept per plan."""
+    found = plan.memo.get("cuts", False)
+    if found is False:
+        found = plan.memo["cuts"] = _dense_cuts(plan)
+    return found  # type: ignore[return-value]
+
+
+def _dense_cuts(plan: Plan) -> list[Cut] | None:
     if any(group.dtype not in NUMPY_DTYPES for group in plan.groups):
         return None
     cuts: list[Cut] = []
@@ -242,11 +250,21 @@ def inline_cuts(plan: Plan) -> list[Cut] | None:
 
 def cut_inline(words: Any, described: int, cuts: Sequence[Cut], count: int) -> list[Result | None]:
     """The entries ``cuts`` names, cut out of the data bytes after the first ``described`` words of each row."""
-    raw = words[:, described:].view("u1")
     results: list[Result | None] = [None] * count
-    for index, dtype, start, stop, shape in cuts:
-        results[index] = Stacked(torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape)))
+    _cut_dense(words[:, described:].view("u1"), cuts, results)
     return results
+
+
+def _cut_dense(
+    raw: Any, cuts: Sequence[Cut], results: list[Result | None], devices: Sequence[torch.device] | None = None
+) -> None:
+    """Each entry ``cuts`` names, as one tensor viewing ``raw`` (every rank's bytes, numpy), into ``results``.
+
+    ``devices``: where each entry's result goes (None: it stays on the CPU).
+    """
+    for index, dtype, start, stop, shape in cuts:
+        stacked = torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape))
+        results[index] = Stacked(stacked if devices is None or devices[index] == _CPU else stacked.to(devices[index]))
 
 
 def unpack(
@@ -298,14 +316,9 @@ def _unpack_dense(rows: Tensor, plan: Plan, devices: Sequence[torch.device], res
     On the CPU they are numpy views (as :func:`unpack_inline` cuts them), each made a tensor once: a fraction of
     the cost of tensor slicing, which right after a collective costs several microseconds an operation.
     """
-    cuts = plan.memo.get("cuts", False)
-    if cuts is False:
-        cuts = plan.memo["cuts"] = inline_cuts(plan)
+    cuts = inline_cuts(plan)
     if rows.device.type == "cpu" and cuts is not None and plan.groups:
-        raw = rows.numpy()
-        for index, dtype, start, stop, shape in cuts:  # type: ignore[attr-defined]
-            stacked = torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape))
-            results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
+        _cut_dense(rows.numpy(), cuts, results, devices)
         return
     world = plan.world_size
     for group in plan.groups:

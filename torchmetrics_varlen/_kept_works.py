@@ -10,12 +10,12 @@ done). This hits a rank that returns without ``destroy_process_group()`` right a
 rank does after its final epoch (pytorch/pytorch#190489 tracks it in PyTorch). Keeping the tensors is not enough;
 keeping the work is.
 
-So every work a sync waits for is kept here, and the main thread, holding the GIL, destroys it: when the next sync
-of the process begins (long after the backend's thread let go of it), or at interpreter exit while it tears down
-modules. A work also holds its group's connections (and through them the rendezvous): so the kept works are let go
-as soon as a group that was synced on is freed (``destroy_process_group()`` frees the world, before a job makes its
-group again on the same port; a group a metric still holds goes with the metric), and at once after a failed wait
-(so that the peers learn that this rank left). Until then the last sync's send buffers stay alive.
+So every work a sync waits for is kept here, and the main thread, holding the GIL, destroys it: while the records of
+the next sync of the process travel (long after the backend's thread let go of it), or at interpreter exit while it
+tears down modules. A work also holds its group's connections (and through them the rendezvous): so the kept works
+are let go as soon as a group that was synced on is freed (``destroy_process_group()`` frees the world, before a job
+makes its group again on the same port; a group a metric still holds goes with the metric), and at once after a
+failed wait (so that the peers learn that this rank left). Until then the last sync's send buffers stay alive.
 """
 
 import threading
