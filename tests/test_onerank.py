@@ -213,8 +213,16 @@ def test_measure_sync_memory(world_size):
     report = measure_sync_memory(world_size, 400_000, dst=0, pool=_TestPool(world_size))
     values = report["all_gather"]["value"] + report["one_rank"]["value"]
     assert len(set(values)) == 1 and 0.4 < values[0] < 0.6
-    assert report["one_rank"]["received_bytes"][1:] == [0] * (world_size - 1)
-    assert report["all_gather"]["received_bytes"] == [world_size * max(report["state_bytes"])] * world_size
+    # Both paths move these states by the routes that receive the true sizes: each rank's own section is its copy.
+    # The rest is the metadata records, the results' broadcast and the item shape tables: a few KiB.
+    state_bytes = report["state_bytes"]
+    received, one_rank = report["all_gather"]["received_bytes"], report["one_rank"]["received_bytes"]
+    for rank in range(world_size):
+        assert sum(state_bytes) <= received[rank] < sum(state_bytes) + 2**16
+        if rank == 0:  # dst: every other rank's states once
+            assert sum(state_bytes) - state_bytes[0] <= one_rank[0] < sum(state_bytes) - state_bytes[0] + 2**16
+        else:
+            assert one_rank[rank] < 2**16
     if report["peak_method"] == "VmHWM reset":  # the other ranks never hold the gathered data
         non_dst = report["one_rank"]["max_non_dst_peak_rss_growth_bytes"]
         assert non_dst < report["all_gather"]["max_non_dst_peak_rss_growth_bytes"] / 4

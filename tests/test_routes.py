@@ -18,6 +18,7 @@ from torchmetrics.retrieval import RetrievalMAP
 
 import torchmetrics_varlen as tv
 from torchmetrics_varlen import _broadcast, _cap, _engine, _plan, _protocol
+from torchmetrics_varlen.onerank import compute_on_rank
 
 SKEWED = 8  # the big rank holds this many times the others' samples
 
@@ -31,7 +32,7 @@ def _sizes(world_size, small, empty=None):
 def _traffic():
     """Per collective name: (calls, bytes this rank receives into), while the block runs."""
     seen = {}
-    names = ("all_gather_into_tensor", "all_gather_single", "broadcast", "all_reduce", "gather")
+    names = ("all_gather_into_tensor", "all_gather_single", "broadcast", "all_reduce", "gather", "all_to_all_single")
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def wrap(name, fn):
@@ -175,24 +176,39 @@ def body_shapes(rank, world_size, cap):
     return {"synced": synced, "broadcasts": seen.get("broadcast", (0, 0))[0]}
 
 
+def body_shapes_to_one_rank(rank, world_size, cap, dst):
+    metric = Shapes(sync_cap=cap)
+    metric.update(_shapes_input(rank))
+    with _traffic() as seen:
+        peak, items = compute_on_rank(metric, dst=dst)
+    return {"synced": {"peak": peak, "items": items}, "sends": seen.get("all_to_all_single", (0, 0))[0]}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("cap", [None, 2048], ids=["default", "cap-2KiB"])
-def test_dense_pieces_and_lists_move_exactly_whatever_the_cap(world_size, cap):
-    results = run_distributed(body_shapes, world_size, cap)
+@pytest.mark.parametrize("dst", [None, 0, 1], ids=["every-rank", "to-rank-0", "to-rank-1"])
+def test_dense_pieces_and_lists_move_exactly_whatever_the_cap(world_size, cap, dst):
+    if dst is not None:
+        results = run_distributed(body_shapes_to_one_rank, world_size, cap, dst)
+        moved = [result["sends"] for result in results]
+    else:
+        results = run_distributed(body_shapes, world_size, cap)
+        moved = [result["broadcasts"] for result in results]
     inputs = [_shapes_input(rank) for rank in range(world_size)]
     peak = StockShapes()
     for x in inputs:
         peak.update(x)
     items = [item for x in inputs for item in (x[:500], x[500:].reshape(-1, 1))]
-    for result in results:
+    for result, calls in zip(results, moved):
         synced = result["synced"]
         assert torch.equal(synced["peak"], peak.compute())
         assert len(synced["items"]) == len(items)
         for got, expected in zip(synced["items"], items):
             assert torch.equal(got, expected)
         # Default cap: everything is small, one gather. A 2 KiB cap: the 16 KiB dense state and the items no longer
-        # fit a padded gather of W x 2 KiB, so they move by chunked broadcasts (the items' shape tables stay).
-        assert (result["broadcasts"] > 0) == (cap is not None)
+        # fit a padded gather of W x 2 KiB, so they move by chunked broadcasts, or to one rank by all-to-alls (the
+        # items' shape tables stay in the gather).
+        assert (calls > 0) == (cap is not None)
 
 
 def body_retrieval(rank, world_size, sizes, cap):
@@ -243,6 +259,67 @@ def test_the_hook_takes_the_broadcast_route_on_stock_metrics(world_size):
         assert result["broadcasts"] >= world_size  # stock calls the hook per state: one broadcast per rank each
 
 
+# ------------------------------------------------------------------------------------------------ to one rank only
+def body_one_rank_skewed(rank, world_size, sizes, dst, cap):
+    preds, target = _data(sum(sizes), seed=7)
+    part = split(sizes, rank)
+    auroc = BinaryAUROC(thresholds=None)  # stock classes: compute_on_rank takes any torchmetrics metric
+    values = CatMetric()
+    for metric in (auroc, values):
+        metric.sync_cap = cap  # what `Metric(sync_cap=...)` sets; a stock metric has none
+    if sizes[rank]:
+        for chunk in torch.arange(sizes[rank]).split(7_000):  # several batches: list states
+            auroc.update(preds[part][chunk], target[part][chunk])
+        values.update(preds[part])
+    allocated = []
+    original = _broadcast.empty
+
+    def record(numel, dtype, device):
+        allocated.append(numel * dtype.itemsize)
+        return original(numel, dtype, device)
+
+    _broadcast.empty = record
+    try:
+        with _traffic() as seen:
+            got = {"auroc": compute_on_rank(auroc, dst=dst), "values": compute_on_rank(values, dst=dst)}
+    finally:
+        _broadcast.empty = original
+    return {"got": got, "seen": seen, "allocated": allocated}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    ("dst", "empty", "cap"),
+    [(0, None, None), (1, None, None), (0, 1, None), (1, 1, None), (1, None, 65_536)],
+    ids=["dst-big", "dst-small", "sender-empty", "dst-empty", "cap-64KiB"],
+)
+def test_one_rank_compute_receives_the_true_sizes_on_its_destination_only(world_size, dst, empty, cap):
+    sizes = _sizes(world_size, 20_000)
+    if empty is not None:
+        sizes[empty] = 0
+    results = run_distributed(body_one_rank_skewed, world_size, sizes, dst, cap)
+    preds, target = _data(sum(sizes), seed=7)
+    reference = BinaryAUROC(thresholds=None)
+    reference.update(preds, target)
+    state_bytes = [size * (4 + 8 + 4) for size in sizes]  # float32 preds and values, int64 target
+    for rank, result in enumerate(results):
+        assert_same(result["got"]["auroc"], reference.compute())
+        assert torch.equal(result["got"]["values"], preds)  # rank order, exactly
+        calls, received = result["seen"].get("all_to_all_single", (0, 0))
+        chunk = cap or _cap.DEFAULT_CAP
+        senders = [r for r, size in enumerate(sizes) if size and r != dst]
+        assert calls == sum(-(-sizes[r] * itemsize // chunk) for r in senders for itemsize in (4, 8, 4))
+        gathered = result["seen"].get("gather", (0, 0))[1]
+        if rank == dst:  # every other rank's bytes once, no padding; the gather holds only item shape tables
+            assert received == sum(state_bytes) - state_bytes[rank]
+            assert gathered < sum(state_bytes) / 20
+            # What it allocates: the results, and the gather's small buffer
+            assert sum(result["allocated"]) < sum(state_bytes) * 1.05
+        else:  # nothing comes back but the result; at most a copy of its own list state's batches
+            assert received == 0 and gathered == 0
+            assert sum(result["allocated"]) <= state_bytes[rank]
+
+
 class Scores(tv.Metric):
     def __init__(self, **kwargs):
         super().__init__(sync_grads=True, **kwargs)
@@ -281,10 +358,12 @@ def test_gradients_are_exact_on_both_routes(world_size, small):
 
 
 # ---------------------------------------------------------------------------------------------- allocation failure
-def body_allocation_fails(rank, world_size, sizes, failing):
+def body_allocation_fails(rank, world_size, sizes, failing, dst=None):
     preds, _ = _data(sum(sizes))
     metric = tv.rebase(CatMetric)()
-    metric.update(preds[split(sizes, rank)])
+    for half in preds[split(sizes, rank)].chunk(2):  # two batches: a rank copies its own data (it cannot send a list)
+        metric.update(half)
+    compute = metric.compute if dst is None else lambda: compute_on_rank(metric, dst=dst)
     original = _broadcast.empty
 
     def refuse(numel, dtype, device):
@@ -293,7 +372,7 @@ def body_allocation_fails(rank, world_size, sizes, failing):
     if rank == failing:
         _broadcast.empty = refuse
     try:
-        metric.compute()
+        compute()
         first = None
     except tv.SyncMemoryError as err:
         first = str(err)
@@ -301,15 +380,16 @@ def body_allocation_fails(rank, world_size, sizes, failing):
         _broadcast.empty = original
     metric._computed = None
     local = metric.value  # the local state is untouched: the next sync is whole and exact
-    return {"error": first, "after": metric.compute(), "local": [t.clone() for t in local]}
+    return {"error": first, "after": compute(), "local": [t.clone() for t in local]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_rank_that_cannot_allocate_makes_every_rank_raise(world_size):
+@pytest.mark.parametrize("dst", [None, -1, 0], ids=["every-rank", "to-the-failing-rank", "to-rank-0"])
+def test_a_rank_that_cannot_allocate_makes_every_rank_raise(world_size, dst):
     per_rank = _engine.AGREE_MIN_BYTES // 4 // world_size + 1000  # float32: together past the agreement threshold
     sizes = [per_rank] * world_size
-    failing = world_size - 1
-    results = run_distributed(body_allocation_fails, world_size, sizes, failing)
+    failing = world_size - 1  # to rank 0: a sender, failing to allocate the copy of its own two batches
+    results = run_distributed(body_allocation_fails, world_size, sizes, failing, failing if dst == -1 else dst)
     preds, _ = _data(sum(sizes))
     for rank, result in enumerate(results):
         assert result["error"] is not None, f"rank {rank} did not raise"

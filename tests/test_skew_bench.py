@@ -46,7 +46,7 @@ def test_sides_move_what_the_sizes_imply(world_size, case, tmp_path):
     per_rank = run_distributed(skew.body_sides, world_size, sizes, 2)
     longest, total = max(sizes), sum(sizes)
     padded, exact = world_size * longest * 4, total * 4
-    for out in per_rank:
+    for rank, out in enumerate(per_rank):
         # The raw padded gather: one collective of W x the largest, of which the peers' slots came from the peers.
         assert out["padded"]["received"] == padded and out["padded"]["collectives"] == 1
         assert out["padded"]["from_peers"] == padded - longest * 4
@@ -63,6 +63,17 @@ def test_sides_move_what_the_sizes_imply(world_size, case, tmp_path):
         assert out["varlen"]["received"] == metadata + data_bytes
         # Every side but the raw gather returns every rank's samples once.
         assert out["stock"]["synced"] == out["varlen"]["synced"] == total
+        # To one rank: the metadata exchange, the data to rank 0 alone (padded rows or the peers' true bytes), then
+        # the scalar result's broadcast (its size, then its bytes) to every rank.
+        (first, metadata), *data, (size_call, size_bytes), (result_call, _) = out["one_rank"]["calls"]
+        assert first.startswith("all_gather") and (size_call, size_bytes, result_call) == ("broadcast", 8, "broadcast")
+        assert {name for name, _ in data} <= {"gather", "all_to_all_single"}
+        data_bytes = sum(nbytes for _, nbytes in data)
+        if rank == skew.ONE_RANK_DST:
+            assert data_bytes in (padded, exact - sizes[rank] * 4), (data, padded, exact)
+            assert out["one_rank"]["synced"] == total
+        else:
+            assert data_bytes == 0
         for side in skew.SIDES:
             assert out[side]["ms"] > 0 and isinstance(out[side]["peak"], int)
     assert len({out["varlen"]["received"] for out in per_rank}) == 1  # the same plan on every rank
@@ -77,7 +88,9 @@ def test_sides_move_what_the_sizes_imply(world_size, case, tmp_path):
         "stock",
         "padded gather",
         "ours",
+        "ours, to rank 0",
     ]
+    assert len({len(line) for line in table.splitlines() if line.startswith("|")}) == 1  # the columns line up
     memory = skew.format_memory_table([row], 2)
     cap_cell = memory.splitlines()[-3].split("|")[3].strip()
     assert (cap_cell == "-") == (skew.engine_cap() is None)

@@ -8,6 +8,10 @@ of the per-rank pieces); this rank copies its own data into its section, and one
 (in chunks of at most the plan's cap) fills the others' sections in place. Bytes received are the true sizes, the
 only allocation is the result, and nothing is copied out afterwards. Which ranks send, and how much, comes from the
 plan: every rank issues the same broadcasts in the same order.
+
+A one-rank sync (``compute_on_rank``) routes entries by the same plan, but only its destination rank allocates the
+results: each other rank's section moves by one ``all_to_all_single`` in which that rank sends to the destination
+alone (:func:`to_rank`), so the destination receives the true sizes and the other ranks receive nothing.
 """
 
 from collections.abc import Sequence
@@ -35,40 +39,50 @@ def allocate(plan: Plan, device: torch.device) -> dict[int, Tensor]:
 
 
 def own_data(
-    entries: Sequence[LocalEntry], plan: Plan, rank: int, buffers: dict[int, Tensor]
+    entries: Sequence[LocalEntry],
+    plan: Plan,
+    rank: int,
+    buffers: dict[int, Tensor],
+    device: torch.device,
 ) -> tuple[dict[int, Tensor], list[tuple[Tensor, Tensor]]]:
-    """This rank's data of each broadcast entry, as the source of its own broadcast: ``(sources, later)``.
+    """This rank's data of each routed entry, as the source of what it sends: ``(sources, later)``.
 
-    A state held as one contiguous tensor of the buffer's dtype and device is broadcast from itself, and its copy into
-    its section of the result is returned in ``later`` (``(section, tensor)`` pairs), to run while the broadcasts are
-    in flight. Any other (a list of several items, another device) is copied into its section now, the source.
+    A state held as one contiguous tensor of the entry's dtype on ``device`` is sent from itself, and its copy into
+    its section of the result is returned in ``later`` (``(section, tensor)`` pairs), to run while the data moves.
+    Any other (a list of several items, another device) is copied into its section now, the source. ``buffers``: the
+    results, where this rank receives them (empty on the ranks other than a one-rank sync's destination, which copy
+    such a state into a buffer of its own size).
     """
     sources: dict[int, Tensor] = {}
     later: list[tuple[Tensor, Tensor]] = []
     with torch.no_grad():
-        for index, buffer in buffers.items():
-            entry, numels = entries[index], plan.entries[index].numels
-            assert not isinstance(entry, Ref)  # entries that refer to another are never broadcast
-            count = int(numels[rank])
+        for index in plan.broadcast:
+            entry, eplan = entries[index], plan.entries[index]
+            assert not isinstance(entry, Ref) and eplan.dtype is not None  # routed entries hold data, refer to none
+            count = int(eplan.numels[rank])
             if count == 0:
                 continue
-            start = int(numels[:rank].sum())
-            own = buffer[start : start + count]
+            buffer = buffers.get(index)
+            start = int(eplan.numels[:rank].sum())
+            own = buffer[start : start + count] if buffer is not None else None
             items = [entry] if isinstance(entry, Tensor) else [item for item in entry if item.numel() > 0]
-            if len(items) == 1 and _sendable(items[0], own):
+            if len(items) == 1 and _sendable(items[0], eplan.dtype, device):
                 sources[index] = flat = items[0].detach().reshape(-1)
-                later.append((own, flat))
-            elif len(items) == 1:
+                if own is not None:
+                    later.append((own, flat))
+                continue
+            if own is None:
+                own = empty(count, eplan.dtype, device)
+            if len(items) == 1:
                 own.copy_(items[0].reshape(-1))
-                sources[index] = own
             else:
                 torch.cat([item.reshape(-1).to(own.device) for item in items], out=own)
-                sources[index] = own
+            sources[index] = own
     return sources, later
 
 
-def _sendable(tensor: Tensor, section: Tensor) -> bool:
-    return tensor.is_contiguous() and tensor.dtype == section.dtype and tensor.device == section.device
+def _sendable(tensor: Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    return tensor.is_contiguous() and tensor.dtype == dtype and tensor.device == device
 
 
 def copy_later(later: list[tuple[Tensor, Tensor]]) -> None:
@@ -89,14 +103,41 @@ def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor],
     Per entry, per rank holding data: its section (this rank's own: its source), in chunks of at most ``plan.cap``
     bytes.
     """
-    out: list[tuple[int, Tensor]] = []
-    for index, buffer in buffers.items():
-        numels = plan.entries[index].numels.tolist()
-        chunk = chunk_elements(plan.cap, buffer.element_size())
+    return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if part is not None]
+
+
+def to_rank(
+    plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int, dst: int
+) -> list[tuple[int, Tensor | None]]:
+    """A one-rank sync's transfers to ``dst``: ``(source rank, tensor)`` in the order every rank issues them.
+
+    As :func:`sections`, without ``dst``'s own sections (its data is copied, never sent). The tensor is the section
+    of the result on ``dst``, the source's data on the source rank, and None on the other ranks (they take part in
+    the collective with nothing to send or receive).
+    """
+    return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if src != dst]
+
+
+def _chunks(
+    plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int
+) -> list[tuple[int, Tensor | None]]:
+    """Per routed entry, per rank holding data, its section in chunks of at most ``plan.cap`` bytes.
+
+    A section is None where this rank neither holds the result nor is the source.
+    """
+    out: list[tuple[int, Tensor | None]] = []
+    for index in plan.broadcast:
+        eplan = plan.entries[index]
+        assert eplan.dtype is not None
+        buffer = buffers.get(index)
+        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
         start = 0
-        for src, count in enumerate(numels):
+        for src, count in enumerate(eplan.numels.tolist()):
             if count:
-                section = sources[index] if src == rank else buffer[start : start + count]
-                out += [(src, part) for part in torch.split(section, chunk)]
+                section = sources[index] if src == rank else None if buffer is None else buffer[start : start + count]
+                if section is None:
+                    out += [(src, None)] * -(-count // chunk)
+                else:
+                    out += [(src, part) for part in torch.split(section, chunk)]
             start += count
     return out

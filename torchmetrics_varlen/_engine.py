@@ -9,7 +9,9 @@ between them is the data step:
   (op, dtype) bucket; states whose largest rank holds many bytes travel by one ``broadcast`` per rank straight into
   their results (:mod:`torchmetrics_varlen._broadcast`). Each rank then receives ``world_size x`` the largest rank's
   gathered bytes, ``1 x`` the reduced ones and the true sizes of the broadcast ones.
-* **to one rank** (``dst``): everything travels in one ``gather`` to rank ``dst``; the other ranks get nothing back.
+* **to one rank** (``dst``): the gathered entries travel in one ``gather`` to rank ``dst``, the routed ones by one
+  ``all_to_all_single`` per rank holding data that sends to ``dst`` alone, straight into their results there; the
+  other ranks get nothing back.
 * **differentiable** (``grad``): the gather + reduce step inside one autograd function, whose backward runs one
   ``all_reduce`` of every gradient (see :class:`_DifferentiableStep`).
 
@@ -137,7 +139,7 @@ def run(
     # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
     flags |= _protocol.REDUCE_FLAGS[policy.reduce]
     cap = cap if cap is not None else _cap.resolve_cap()
-    broadcast_min = None if dst is not None else policy.broadcast_min  # to one rank: one gather, as before
+    broadcast_min = policy.broadcast_min
     # A small sync repeated with the same metadata builds its record from what it learnt (see _repeat). The cap
     # travels in the header and the broadcast threshold shapes the plan: both are part of what is learnt.
     key = (context, label, flags, cap, broadcast_min) if inline and stop is None else None
@@ -197,12 +199,18 @@ class _Step:
         failure: BaseException | None = None
         reduced: list[Tensor] = []
         received: dict[int, Tensor] = {}
+        sources: dict[int, Tensor] = {}
+        later: list[tuple[Tensor, Tensor]] = []
         output = None
         try:
             reduced = _buffers.pack_reduced(self.entries, plan, device)
-            received = _broadcast.allocate(plan, device)
-            if plan.max_bytes > 0 and self.dst in (None, self.rank):  # to one rank: only that rank receives
-                output = _broadcast.empty(plan.world_size * plan.max_bytes, torch.uint8, device)
+            if self.dst in (None, self.rank):  # to one rank: only that rank receives
+                received = _broadcast.allocate(plan, device)
+                if plan.max_bytes > 0:
+                    output = _broadcast.empty(plan.world_size * plan.max_bytes, torch.uint8, device)
+            # This rank's data of the routed entries, copied where it cannot be sent as it is (into its section of
+            # the result, or a buffer of its own size on a one-rank sync's other ranks): allocations too.
+            sources, later = _broadcast.own_data(self.entries, plan, self.rank, received, device)
         except (RuntimeError, MemoryError) as err:  # an allocator's error: CPU, CUDA (torch.OutOfMemoryError) alike
             if not agree:
                 raise
@@ -219,11 +227,16 @@ class _Step:
                 rows = _transport.gather_rows(buffer, self.group, wait, self.timeout, self.what, output)
             else:
                 rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what, output)
-        if received:
-            sources, later = _broadcast.own_data(self.entries, plan, self.rank, received)
-            sections = _broadcast.sections(plan, received, sources, self.rank)
+        if plan.broadcast:
             meanwhile = functools.partial(_broadcast.copy_later, later)  # this rank's copy, while the data moves
-            _transport.broadcast_all(sections, self.group, wait, self.timeout, self.what, meanwhile)
+            if self.dst is None:
+                sections = _broadcast.sections(plan, received, sources, self.rank)
+                _transport.broadcast_all(sections, self.group, wait, self.timeout, self.what, meanwhile)
+            else:
+                transfers = _broadcast.to_rank(plan, received, sources, self.rank, self.dst)
+                _transport.send_to_rank(
+                    transfers, self.dst, self.group, device, wait, self.timeout, self.what, meanwhile
+                )
         if self.dst is not None and self.rank != self.dst:
             return []
         results = _buffers.unpack(rows, plan, self.devices, self.cat, received)

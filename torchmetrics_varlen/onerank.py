@@ -6,7 +6,9 @@ replaced by a gather to the destination rank:
 1. every rank describes its states and the records are all-gathered, so every rank reaches the same plan, raises the
    same errors;
 2. every rank packs its states into one ``uint8`` buffer of the agreed transfer size, and ``torch.distributed.gather``
-   moves the buffers to the destination rank only (the engine's one-rank data step, :mod:`torchmetrics_varlen._engine`);
+   moves the buffers to the destination rank only; states whose largest rank holds many bytes (or past the transfer
+   cap) move instead by ``all_to_all_single`` calls in which one rank sends to the destination alone, so the
+   destination receives the true sizes (the engine's one-rank data step, :mod:`torchmetrics_varlen._engine`);
 3. the destination rank unpacks and reduces the states exactly as a normal sync does, computes, and sends the outcome
    (the value, or the exception it raised) to every rank (``_transport.broadcast_bytes``).
 
@@ -36,9 +38,11 @@ def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
     """Compute a metric from the states of every rank on rank ``dst`` only, and return the result on every rank.
 
     Call it on every rank instead of ``metric.compute()``. The states travel to ``dst`` alone (one metadata
-    all-gather, one gather of the data to ``dst``), ``dst`` computes the metric as a normal ``compute()`` would, and
-    the result is broadcast, so the other ranks never hold the whole data set: use it for metrics whose states grow
-    with the data (``BinaryAUROC(thresholds=None)``, retrieval metrics, ``CatMetric``) on large evaluation sets.
+    all-gather, one gather of the data to ``dst``; large states by one ``all_to_all_single`` per rank, so ``dst``
+    receives and allocates their true sizes, however skewed the ranks), ``dst`` computes the metric as a normal
+    ``compute()`` would, and the result is broadcast, so the other ranks never hold the whole data set: use it for
+    metrics whose states grow with the data (``BinaryAUROC(thresholds=None)``, retrieval metrics) on large
+    evaluation sets.
 
     * The result is the value ``metric.compute()`` returns after a normal sync, bit for bit: the same reductions run
       on the same states. It may be any nesting of tensors in dicts, lists and tuples; every rank gets it on the

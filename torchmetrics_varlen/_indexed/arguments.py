@@ -138,7 +138,7 @@ class ArgumentCapture:
 
 def tensor_bytes(tensor: Tensor) -> bytes:
     """The bytes of a ``uint8`` tensor (which may be a view into a larger transfer buffer)."""
-    return bytes(tensor.detach().cpu().clone().untyped_storage())
+    return tensor.detach().cpu().numpy().tobytes()  # type: ignore[no-any-return]  # `bytes(storage)` iterates in Python
 
 
 def distinct_static(items: list[Tensor]) -> list[Tensor]:

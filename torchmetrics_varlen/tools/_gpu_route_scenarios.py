@@ -1,8 +1,9 @@
 """GPU check scenarios of the data routes for large and skewed states (issue 22), each a function every rank runs.
 
-On NCCL the broadcast route moves CUDA slices of the result by ``broadcast``, chunked by the transfer cap, and the
-memory check is an ``all_gather`` of one word per rank on the job's device: neither can run in CI. In ``--cpu`` mode
-the same code runs with CPU states on gloo, so CI covers it.
+On NCCL the broadcast route moves CUDA slices of the result by ``broadcast``, chunked by the transfer cap, a one-rank
+compute moves them to its destination by ``all_to_all_single``, and the memory check is an ``all_gather`` of one word
+per rank on the job's device: none of it can run in CI. In ``--cpu`` mode the same code runs with CPU states on gloo,
+so CI covers it.
 """
 
 import torch
@@ -12,6 +13,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 import torchmetrics_varlen as tv
 from torchmetrics_varlen import _broadcast, _engine
+from torchmetrics_varlen.onerank import compute_on_rank
 from torchmetrics_varlen.tools._gpu_scenarios import Ctx, Scenario, _close, _on
 
 __all__ = ["SCENARIOS"]
@@ -39,6 +41,26 @@ def _skewed_broadcast(ctx: Ctx) -> str:
     _close("CatMetric", joined, preds, rtol=0, atol=0)
     _on("CatMetric", joined, ctx.device)
     return f"skewed cat states by per-rank broadcasts (1 MiB chunks), samples per rank {sizes}: as one process"
+
+
+def _skewed_to_one_rank(ctx: Ctx) -> str:
+    sizes = _skewed(ctx.world_size, 200_000)
+    gen = torch.Generator().manual_seed(24)
+    preds, target = torch.rand(sum(sizes), generator=gen), torch.randint(0, 2, (sum(sizes),), generator=gen)
+    auroc = BinaryAUROC(thresholds=None).to(ctx.device)
+    values = tv.rebase(CatMetric)(sync_cap="1MiB").to(ctx.device)  # chunks of 1 MiB
+    local_preds, local_target = ctx.local((preds, target), sizes)
+    if sizes[ctx.rank]:
+        auroc.update(local_preds, local_target)
+        values.update(local_preds)
+    dst = ctx.world_size - 1  # the rank with the fewest samples gathers the big one's
+    got = compute_on_rank(auroc, dst=dst)
+    _close("BinaryAUROC", got, binary_auroc(preds, target, thresholds=None))
+    _on("BinaryAUROC", got, ctx.device)
+    joined = compute_on_rank(values, dst=dst)
+    _close("CatMetric", joined, preds, rtol=0, atol=0)
+    _on("CatMetric", joined, ctx.device)
+    return f"skewed cat states to rank {dst} only (all_to_all_single, 1 MiB chunks), samples {sizes}: as one process"
 
 
 def _allocation_fails(ctx: Ctx) -> str:
@@ -72,5 +94,10 @@ def _allocation_fails(ctx: Ctx) -> str:
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("skewed-broadcast", "a skewed cat state by per-rank broadcasts, chunked by the cap", _skewed_broadcast),
+    Scenario(
+        "skewed-to-one-rank",
+        "compute_on_rank of skewed cat states: each rank's true bytes to the destination only",
+        _skewed_to_one_rank,
+    ),
     Scenario("allocation-fails", "one rank cannot allocate: SyncMemoryError on every rank", _allocation_fails),
 )

@@ -5,8 +5,8 @@ its own resident set: the peak (``VmHWM`` of ``/proc/self/status``, reset before
 ``5`` to ``/proc/self/clear_refs``) minus the resident size just before the compute. The C heap is trimmed (glibc
 ``malloc_trim``) before and after, so that pages freed earlier neither hide growth nor count as held. Where the peak
 cannot be reset (not Linux, or not permitted), the growth of ``ru_maxrss`` over the process's earlier peak is
-reported instead, a lower bound (``peak_method`` says which). Beside the measurements, ``received_bytes`` accounts
-for the transfer buffers each rank receives.
+reported instead, a lower bound (``peak_method`` says which). Beside the measurements, ``received_bytes`` counts
+the output buffers of the collectives each rank issued during the compute (what it receives into).
 """
 
 import gc
@@ -100,6 +100,8 @@ def _compute(metric: Any, path: str, dst: int) -> Any:
 
 def _measure_rank(rank: int, world_size: int, path: str, n_samples: int, dst: int) -> dict[str, Any]:
     """One rank: fill a BinaryAUROC with this rank's share of ``n_samples``, then measure one ``compute()``."""
+    from torchmetrics_varlen.tools.scale_procs import ByteMeter
+
     warm = _auroc(rank, world_size, 64)  # first syncs allocate lasting buffers: keep them out of the figures
     _compute(warm, "all_gather", dst)
     _compute(warm, "one_rank", dst)
@@ -112,7 +114,8 @@ def _measure_rank(rank: int, world_size: int, path: str, n_samples: int, dst: in
     before_peak = _peak_bytes(reset)
     before = _rss_bytes()
     start = time.perf_counter()
-    value = _compute(metric, path, dst)
+    with ByteMeter() as meter:  # wraps the collectives' Python functions only: no memory of its own
+        value = _compute(metric, path, dst)
     seconds = time.perf_counter() - start
     peak = _peak_bytes(reset)
     gc.collect()
@@ -124,6 +127,7 @@ def _measure_rank(rank: int, world_size: int, path: str, n_samples: int, dst: in
         "retained_rss_growth_bytes": after - before,
         "rss_before_bytes": before,
         "state_bytes": state_bytes,
+        "received_bytes": meter.received,
         "seconds": seconds,
         "value": float(value),
         "peak_reset": reset,
@@ -152,10 +156,10 @@ def measure_sync_memory(
         ``{"world_size", "n_samples", "dst", "metric", "peak_method", "all_gather": {...}, "one_rank": {...}}``,
         each path holding per-rank lists (index = rank): ``peak_rss_growth_bytes`` (peak resident memory during the
         compute above the resident memory before it), ``retained_rss_growth_bytes`` (after it, garbage collected and
-        the heap trimmed: buffers kept for reuse, such as the cached CPU send buffer), ``received_bytes`` (transfer
-        buffers received, from the state sizes), ``seconds``, and ``value`` (the AUROC, equal on every rank and for
-        both paths), plus ``max_peak_rss_growth_bytes`` and ``max_non_dst_peak_rss_growth_bytes`` (max over the ranks
-        other than ``dst``); ``state_bytes`` per rank at the top level.
+        the heap trimmed: buffers kept for reuse, such as the cached CPU send buffer), ``received_bytes`` (the output
+        buffers of its collectives during the compute, counted), ``seconds``, and ``value`` (the AUROC, equal on
+        every rank and for both paths), plus ``max_peak_rss_growth_bytes`` and ``max_non_dst_peak_rss_growth_bytes``
+        (max over the ranks other than ``dst``); ``state_bytes`` per rank at the top level.
 
     Example:
         Spawns processes, so not run as a doctest:
@@ -191,8 +195,7 @@ def measure_sync_memory(
         "peak_method": "VmHWM reset" if all(r["peak_reset"] for rs in results.values() for r in rs) else "ru_maxrss",
     }
     for path, per_rank in results.items():
-        transfer = max(r["state_bytes"] for r in per_rank)  # the padded transfer size, up to small shape tables
-        received = [world_size * transfer if path == "all_gather" or rank == dst else 0 for rank in range(world_size)]
+        received = [r["received_bytes"] for r in per_rank]
         peaks = [r["peak_rss_growth_bytes"] for r in per_rank]
         report[path] = {
             "peak_rss_growth_bytes": peaks,

@@ -6,7 +6,10 @@ One float32 ``cat`` state (``CatMetric``) of a given size on every rank, synced 
 * **padded**: one raw ``all_gather_into_tensor`` (``all_gather_single`` where torch has it) of ``W x`` the largest
   rank's samples, the floor of any padded gather: for the time into a preallocated buffer, for the memory into a
   fresh one (a padded route must hold it);
-* **ours**: ``rebase(CatMetric)``'s ``sync()``, whatever route the engine picks from the exchanged records.
+* **ours**: ``rebase(CatMetric)``'s ``sync()``, whatever route the engine picks from the exchanged records;
+* **ours, to one rank**: :func:`~torchmetrics_varlen.compute_on_rank` to rank 0 of a ``CatMetric`` whose
+  ``compute()`` returns the sum of its samples (so that the result's broadcast is a few bytes): only rank 0 receives
+  the states.
 
 Per rank and side: the bytes received (:class:`~torchmetrics_varlen.tools.scale_procs.ByteMeter`: the output buffers
 of every collective, and the part that came from peers), the median time of interleaved syncs, and the peak extra
@@ -27,7 +30,8 @@ from torchmetrics_varlen.tools._memory import _peak_bytes, _reset_peak, _rss_byt
 from torchmetrics_varlen.tools.scale_procs import ByteMeter, interleaved_medians
 
 Row = dict[str, Any]
-SIDES = ("stock", "padded", "varlen")
+SIDES = ("stock", "padded", "varlen", "one_rank")
+ONE_RANK_DST = 0  # the destination of the one-rank side (the big rank is the last by default)
 ITEM_BYTES = 4  # float32
 BYTES_TARGET = 1.25  # issue 22: bytes received per rank over the true total, one rank holding 8x the others
 MEMORY_TARGET = 1.2  # issue 22: peak extra memory of a sync over the synced result (plus the engine's cap)
@@ -66,6 +70,17 @@ def _synced_numel(metric: Any) -> int:
     return sum(item.numel() for item in value) if isinstance(value, list) else int(value.numel())
 
 
+def _sum_of_samples() -> Any:
+    """A ``CatMetric`` whose ``compute()`` is the sum of its samples: a one-rank compute broadcasts a scalar."""
+    from torchmetrics.aggregation import CatMetric
+
+    class SumOfSamples(CatMetric):
+        def compute(self) -> torch.Tensor:
+            return super().compute().sum()
+
+    return SumOfSamples()
+
+
 def _gather(output: torch.Tensor, local: torch.Tensor) -> None:
     # Looked up at each call, as the engine does: the byte meter wraps the module's functions.
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, local)
@@ -99,7 +114,7 @@ def body_sides(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -
     send = torch.zeros(longest)
     send[: local.numel()] = local
     receive = torch.empty(world_size * longest)
-    metrics = {"stock": CatMetric(), "varlen": rebase(CatMetric)()}
+    metrics = {"stock": CatMetric(), "varlen": rebase(CatMetric)(), "one_rank": _sum_of_samples()}
     synced: dict[str, int] = {"padded": receive.numel()}
 
     def sync_of(side: str) -> Callable[[], None]:
@@ -113,10 +128,19 @@ def body_sides(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -
 
         return sync_once
 
+    def to_one_rank() -> None:
+        from torchmetrics_varlen.onerank import compute_on_rank
+
+        metrics["one_rank"]._computed = None  # no cached value: every call syncs
+        compute_on_rank(metrics["one_rank"], dst=ONE_RANK_DST)
+
+    metrics["one_rank"].update(local)
+    synced["one_rank"] = sum(sizes) if rank == ONE_RANK_DST else 0  # what the destination computes on
     fns: dict[str, Callable[[], Any]] = {
         "stock": sync_of("stock"),
         "padded": lambda: _gather(receive, send),
         "varlen": sync_of("varlen"),
+        "one_rank": to_one_rank,
     }
 
     def fresh_padded() -> None:  # the memory of a padded route: it must allocate W x the largest
@@ -178,7 +202,7 @@ def _mib(nbytes: float) -> str:
 
 
 def _name(side: str) -> str:
-    return {"stock": "stock", "padded": "padded gather", "varlen": "ours"}[side]
+    return {"stock": "stock", "padded": "padded gather", "varlen": "ours", "one_rank": "ours, to rank 0"}[side]
 
 
 def format_skew_table(row: Row, repeats: int) -> str:
@@ -191,9 +215,9 @@ def format_skew_table(row: Row, repeats: int) -> str:
         f" {max(sizes[r] for r in others):,} (true total {_mib(row['true_bytes'])} MiB); one sync(), per rank;"
         f" time: slowest rank's median of {repeats} interleaved",
         "",
-        f"| {'side':<13} | {'coll.':>5} | {'received MiB':>12} | {'from peers MiB':>14} | {'/ true total':>12} |"
+        f"| {'side':<15} | {'coll.':>5} | {'received MiB':>12} | {'from peers MiB':>14} | {'/ true total':>12} |"
         f" {'ms':>8} | {'/ padded':>8} | {'peak MiB, big':>13} | {'peak MiB, others':>16} | {'peak / result':>13} |",
-        f"|{'-' * 15}|{'-' * 7}|{'-' * 14}|{'-' * 16}|{'-' * 14}|{'-' * 10}|{'-' * 10}|{'-' * 15}|{'-' * 18}|"
+        f"|{'-' * 17}|{'-' * 7}|{'-' * 14}|{'-' * 16}|{'-' * 14}|{'-' * 10}|{'-' * 10}|{'-' * 15}|{'-' * 18}|"
         f"{'-' * 15}|",
     ]
     for side in SIDES:
@@ -201,7 +225,7 @@ def format_skew_table(row: Row, repeats: int) -> str:
         received = data["received"]
         cell = _mib(max(received)) + ("*" if len(set(received)) > 1 else "")
         lines.append(
-            f"| {_name(side):<13} | {max(data['collectives']):>5} | {cell:>12} |"
+            f"| {_name(side):<15} | {max(data['collectives']):>5} | {cell:>12} |"
             f" {_mib(max(data['from_peers'])):>14} | {data['bytes_ratio']:>11.2f}x | {max(data['ms']):>8.2f} |"
             f" {data['time_ratio']:>7.2f}x | {_mib(data['peak'][big]):>13} |"
             f" {_mib(max(data['peak'][r] for r in others)):>16} | {data['memory_ratio']:>12.2f}x |"
@@ -210,6 +234,8 @@ def format_skew_table(row: Row, repeats: int) -> str:
         "",
         f"Targets (ours): received / true total <= {BYTES_TARGET}x, time / padded gather <= 1x."
         " * marks ranks that differ: the largest shown; padded gather's memory: into a fresh buffer.",
+        f"Ours, to rank {ONE_RANK_DST}: compute_on_rank of the same samples (a scalar result); only rank"
+        f" {ONE_RANK_DST} receives the states, and its time includes the result's broadcast.",
     ]
     return "\n".join(lines)
 
@@ -257,12 +283,14 @@ def plot_skew(row: Row, path: str) -> None:
         ax.bar([x - 0.2 for x in xs], big_vals, 0.4, label=f"rank {big} ({sizes[big]:,} samples)")
         ax.bar([x + 0.2 for x in xs], other_vals, 0.4, label="other ranks (largest)")
         ax.axhline(target, color="grey", linewidth=0.8, linestyle="--", label=f"target {target:g}x")
-        ax.set(ylabel=label, xticks=list(xs), xticklabels=names, ylim=(0, 1.45 * max(big_vals + other_vals + [target])))
+        ax.set(ylabel=label, xticks=list(xs), ylim=(0, 1.45 * max(big_vals + other_vals + [target])))
+        ax.set_xticklabels(names, fontsize=7)
         ax.legend(fontsize=7, loc="upper left")
     axes[1].bar(xs, [row[side]["time_ratio"] for side in SIDES], 0.5, color="tab:green")
     axes[1].axhline(1.0, color="grey", linewidth=0.8, linestyle="--", label="target 1x")
     times = [row[side]["time_ratio"] for side in SIDES]
-    axes[1].set(ylabel="sync time / padded gather (slowest rank)", xticks=list(xs), xticklabels=names)
+    axes[1].set(ylabel="sync time / padded gather (slowest rank)", xticks=list(xs))
+    axes[1].set_xticklabels(names, fontsize=7)
     axes[1].set_ylim(0, 1.45 * max(times))
     axes[1].legend(fontsize=7, loc="upper left")
     fig.suptitle(f"{row['world_size']} ranks, one holding {sizes[big] // max(min(sizes), 1)}x the others", fontsize=9)
