@@ -210,7 +210,8 @@ class _Step:
                     output = _broadcast.empty(plan.world_size * plan.max_bytes, torch.uint8, device)
             # This rank's data of the routed entries, copied where it cannot be sent as it is (into its section of
             # the result, or a buffer of its own size on a one-rank sync's other ranks): allocations too.
-            sources, later = _broadcast.own_data(self.entries, plan, self.rank, received, device)
+            if plan.broadcast:
+                sources, later = _broadcast.own_data(self.entries, plan, self.rank, received, device)
         except (RuntimeError, MemoryError) as err:  # an allocator's error: CPU, CUDA (torch.OutOfMemoryError) alike
             if not agree:
                 raise
