@@ -63,15 +63,17 @@ class StockCounts(StockMetric):
 
 
 def _counting_shortcuts():
-    """Counts the syncs the shortcut finished (the list's length), by wrapping its reduce step."""
+    """Counts the syncs the shortcut finished (the list's length): its runs that returned the synced states."""
     taken = []
-    original = _shortcut.Shortcut._reduce
+    original = _shortcut.Shortcut.run
 
     def counted(self, *args):
-        taken.append(1)
-        return original(self, *args)
+        result = original(self, *args)
+        if isinstance(result, list):
+            taken.append(1)
+        return result
 
-    _shortcut.Shortcut._reduce = counted
+    _shortcut.Shortcut.run = counted
     return taken, original
 
 
@@ -102,7 +104,7 @@ def _steps_body(rank, world_size):
             # long way from the same table, and learns that sync for the next.
             assert (len(taken) > before) == (step not in LONG_WAY), (step, rank)
     finally:
-        _shortcut.Shortcut._reduce = original
+        _shortcut.Shortcut.run = original
     dist.barrier()
 
 
@@ -141,7 +143,7 @@ def _stock_metrics_body(rank, world_size):
                             assert torch.equal(mine, theirs), (cls, name, mine, theirs)
         assert len(taken) >= 3 * 3, taken  # every case's later syncs took it (its second, third and sync_context)
     finally:
-        _shortcut.Shortcut._reduce = original
+        _shortcut.Shortcut.run = original
     dist.barrier()
 
 
@@ -271,7 +273,7 @@ def _counted_body(rank, world_size):
                 metric.unsync()
             counts.append(counter.count)
     finally:
-        _shortcut.Shortcut._reduce = original
+        _shortcut.Shortcut.run = original
     assert len(taken) == 2 and counts == [1, 1, 1], (taken, counts)  # the first sync learnt, the others took it
     assert _transport.gather_direct.__name__ == "gather_direct"  # put back
     dist.barrier()
@@ -280,3 +282,85 @@ def _counted_body(rank, world_size):
 @pytest.mark.parametrize("world_size", [2])
 def test_the_collective_counter_counts_the_learnt_exchange(world_size):
     run_distributed(_counted_body, world_size)
+
+
+class CountsApplied(Counts):
+    """Counts whose `_apply_synced` is overridden: its syncs must run it, so they take the usual way."""
+
+    def __init__(self):
+        super().__init__()
+        self.applied = 0
+
+    def _apply_synced(self, states):
+        self.applied += 1
+        super()._apply_synced(states)
+
+
+def _reference_counts(steps, world_size):
+    reference = StockCounts()
+    for step in range(steps):
+        for other in range(world_size):
+            reference.update(step, other)
+    return reference.compute()
+
+
+def _assert_counts(got, expected, where):
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine, theirs.to(mine.dtype)), (where, mine, theirs)
+
+
+def _direct_body(rank, world_size):
+    """`sync()` and `compute()` go from `Metric.sync` straight to the learnt sync, except where a setting or an
+    override asks for the usual way; every result equals one process on all the data."""
+    from torchmetrics_varlen import metric as metric_module
+
+    taken, original = _counting_shortcuts()
+    usual = []
+    original_sync_states = metric_module.sync_states
+
+    def counted_sync_states(*args, **kwargs):
+        usual.append(1)
+        return original_sync_states(*args, **kwargs)
+
+    metric_module.sync_states = counted_sync_states
+    try:
+        metric, applied = Counts(), CountsApplied()
+        for step in range(4):
+            for each in (metric, applied):
+                each.update(step, rank)
+            expected = _reference_counts(step + 1, world_size)
+            before, usual_before = len(taken), len(usual)
+            _assert_counts(metric.compute(), expected, ("compute", step))
+            metric._computed = None
+            with metric.sync_context():
+                _assert_counts(metric.compute(), expected, ("sync", step))
+            metric._computed = None
+            # The first sync learns (the usual way); every later one bypasses `sync_states`
+            assert (len(taken) - before, len(usual) - usual_before) == ((1, 1) if step == 0 else (2, 0)), step
+            usual_before = len(usual)
+            _assert_counts(applied.compute(), expected, ("override", step))
+            applied._computed = None
+            assert applied.applied == step + 1 and len(usual) == usual_before + 1, step  # the override ran
+        # Given a group, or an availability check, `sync` takes the usual way: it honours them
+        metric.sync(process_group=dist.group.WORLD)
+        _assert_counts(metric.compute(), expected, "group given")
+        metric.unsync()
+        usual_before = len(usual)
+        metric._computed = None
+        metric.sync(distributed_available=lambda: False)
+        assert not metric._is_synced and len(usual) == usual_before
+        metric.distributed_available_fn = lambda: False
+        local = StockCounts()  # this rank's data alone
+        for step in range(4):
+            local.update(step, rank)
+        _assert_counts(metric.compute(), local.compute(), "not available")
+        assert not metric._is_synced and len(usual) == usual_before
+    finally:
+        _shortcut.Shortcut.run = original
+        metric_module.sync_states = original_sync_states
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sync_goes_straight_to_the_learnt_sync_unless_told_otherwise(world_size):
+    run_distributed(_direct_body, world_size)

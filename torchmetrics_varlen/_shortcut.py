@@ -151,54 +151,68 @@ class Shortcut:
     def run(self, metrics: Sequence[StockMetric], group: Any, timeout: float | None, cap: int | None) -> Any:
         """The synced states (one dict per metric), the record and table for the long way, or None: not applicable.
 
-        None is decided before any collective: the caller then syncs the long way from the start.
+        None is decided before any collective: the caller then syncs the long way from the start. One function of
+        plain loops: right after a collective every call and comprehension costs a few microseconds.
         """
         if not self.lock.acquire(blocking=False):
             return None
-        try:  # one function: right after a collective every call costs a few microseconds
+        try:
             states = self._states(metrics, group, cap)
             if states is None:
                 return None
-            return self._send(states, group, timeout)
+            try:  # into the record; nothing was sent yet if a state cannot be copied from (a device, sparse, ...)
+                for (indices, how, _, _, _), out in zip(self.packs, self.outs):
+                    if how == "ints":
+                        out[:] = [int(states[i]) for i in indices]
+                    elif how == "stack":
+                        torch.stack([states[i] for i in indices], out=out)
+                    else:
+                        torch.cat([states[i].reshape(-1) for i in indices], out=out)
+            except (RuntimeError, TypeError, ValueError):
+                return None
+            seen, limits = self.limits
+            if limits is None or seen != timeout:
+                limits = _transport.limits_of(timeout, group, self.policy.wait)
+                self.limits = (timeout, limits)
+            # The group's record length (``_transport.next_words`` without its lock: that guards the table of
+            # groups, and only the thread that syncs on a group uses the group's state)
+            length = self.length
+            words, _ = length.next_sync()
+            wait = self.policy.wait
+            if words != self.words:  # the group's length changed since these buffers were made
+                if words < self.needed:  # below this record: the long way's two exchanges
+                    return self._shrunk(words, length, group, timeout)
+                self._allocate(words, self.send[: self.needed].tolist())
+            # The results' tensors are made while the records travel
+            pg = group if self.world is None else self.world()  # the world: checked alive and current in `_states`
+            out, sums = _transport.exchange_prepared(
+                self.send_words, self.table, group, wait, timeout, self.what, limits, self._fresh, (pg, self.options)
+            )
+            if self.heads.tobytes() != self.template.table:
+                record = self.send.numpy()[: self.needed].tolist()
+                table = self.table.view(self.world_size, words).clone()  # the long way's results may view it
+                return record, _transport.settle(table, record, length, words, group, _CPU, wait, timeout, self.what)
+            length.saw(self.needed)  # what `settle` records for a table of the learnt headers
+            # Each state reduced over every rank's values in the table, as stock reduces the gathered states
+            for (pair, gathered), summed in zip(self.summed, sums):  # exact: integer sums wrap alike in any order
+                if pair:
+                    np.add(gathered[0], gathered[1], summed)
+                else:
+                    np.add.reduce(gathered, 0, _INT64, summed)
+            keys = self.keys
+            for index, each, reduction in self.reduced:
+                metric, name = keys[index]
+                out[metric][name] = reduction(each)
+            return out
         finally:
             self.lock.release()
 
-    def _send(self, states: list[Tensor], group: Any, timeout: float | None) -> Any:
-        """Copy ``states`` into the record, exchange it and reduce, or go on the long way (see :meth:`run`)."""
-        try:
-            for (indices, how, _, _, _), out in zip(self.packs, self.outs):
-                if how == "ints":
-                    out[:] = [int(states[i]) for i in indices]
-                elif how == "stack":
-                    torch.stack([states[i] for i in indices], out=out)
-                else:
-                    torch.cat([states[i].reshape(-1) for i in indices], out=out)
-        except (RuntimeError, TypeError, ValueError):  # a state on another device, sparse, ...: nothing was sent yet
-            return None
-        seen, limits = self.limits
-        if limits is None or seen != timeout:
-            limits = _transport.limits_of(timeout, group, self.policy.wait)
-            self.limits = (timeout, limits)
-        length = self.length
-        words = _transport.next_words(length)  # only this before the records go: the rest of a start in flight
+    def _shrunk(self, words: int, length: Any, group: Any, timeout: float | None) -> Exchanged:
+        """The record and table for the long way, where the group's length (``words``) is below this record's."""
+        record = self.send.numpy()[: self.needed].tolist()
         wait = self.policy.wait
-        if words < self.needed:  # the group's length shrank below this record: the long way's two exchanges
-            record = self.send.numpy()[: self.needed].tolist()
-            table = _transport._exchange_at(record, words, group, _CPU, wait, timeout, self.what)
-            return record, _transport.settle(table, record, length, words, group, _CPU, wait, timeout, self.what)
-        if words != self.words:
-            self._allocate(words, self.send[: self.needed].tolist())
-        # The results' tensors are made while the records travel
-        pg = group if self.world is None else self.world()  # the world: checked alive and current in `_states`
-        out, sums = _transport.exchange_prepared(
-            self.send_words, self.table, group, wait, timeout, self.what, limits, self._fresh, (pg, self.options)
-        )
-        if self.heads.tobytes() != self.template.table:
-            record = self.send.numpy()[: self.needed].tolist()
-            table = self.table.view(self.world_size, words).clone()  # the long way's results may view it
-            return record, _transport.settle(table, record, length, words, group, _CPU, wait, timeout, self.what)
-        _transport.saw(length, self.needed)  # what `settle` records for a table of the learnt headers
-        return self._reduce(out, sums)
+        table = _transport._exchange_at(record, words, group, _CPU, wait, timeout, self.what)
+        return record, _transport.settle(table, record, length, words, group, _CPU, wait, timeout, self.what)
 
     def _states(self, metrics: Sequence[StockMetric], group: Any, cap: int | None) -> list[Tensor] | None:
         """The metrics' states where this sync is the learnt one, else None.
@@ -246,19 +260,6 @@ class Shortcut:
                 out[metric].update(states)
             sums.append(summed)
         return out, sums
-
-    def _reduce(self, out: list[StateDict], sums: list[Any]) -> list[StateDict]:
-        """Each state reduced over every rank's values in the table, as stock reduces the gathered states."""
-        for (pair, gathered), summed in zip(self.summed, sums):  # exact: integer sums wrap alike in any order
-            if pair:
-                np.add(gathered[0], gathered[1], summed)
-            else:
-                np.add.reduce(gathered, 0, _INT64, summed)
-        keys = self.keys
-        for index, each, reduction in self.reduced:
-            metric, name = keys[index]
-            out[metric][name] = reduction(each)
-        return out
 
 
 class _FreshSums:
@@ -344,6 +345,11 @@ _LOCK = threading.RLock()  # a finalizer may run (garbage collection) while `lea
 def lookup(metrics: Sequence[StockMetric], label: str) -> Shortcut | None:
     """The shortcut learnt for a sync of ``metrics`` labelled ``label``, if any (its run checks the rest)."""
     return _SHORTCUTS.get((id(metrics[0]), len(metrics), label))
+
+
+def lookup_one(metric: StockMetric, label: str) -> Shortcut | None:
+    """:func:`lookup` for a sync of ``metric`` alone."""
+    return _SHORTCUTS.get((id(metric), 1, label))
 
 
 def learn(

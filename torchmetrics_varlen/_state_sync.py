@@ -186,17 +186,18 @@ def sync_states(
     differentiable: bool = False,
     dst: int | None = None,
     cap: int | None = None,
+    exchanged: "_shortcut.Exchanged | None" = None,
 ) -> list[StateDict]:
     """Gather and reduce the states of ``metrics`` across ``group``.
 
     Returns one dict of reduced (global) states per metric. With ``dst``, only rank ``dst`` gets the states; the
     others get ``[]``. The local slot keeps this rank's own tensors, so their rank-local autograd graph survives; with
     ``differentiable`` the sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's
-    states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's).
+    states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's). ``exchanged``:
+    the record and table a learnt sync exchanged before it found that some rank syncs otherwise.
     """
-    exchanged = None
     plain = values is None and not differentiable and dst is None  # a sync a shortcut may be learnt for
-    if plain:
+    if plain and exchanged is None:
         shortcut = _shortcut.lookup(metrics, label)
         if shortcut is not None:
             attempt = shortcut.run(metrics, group, timeout, cap)
