@@ -174,8 +174,7 @@ class Shortcut:
             if limits is None or seen != timeout:
                 limits = _transport.limits_of(timeout, group, self.policy.wait)
                 self.limits = (timeout, limits)
-            # The group's record length (``_transport.next_words`` without its lock: that guards the table of
-            # groups, and only the thread that syncs on a group uses the group's state)
+            # Only the records' length is worked out before they go: the rest of a sync's start runs in flight
             length = self.length
             words, _ = length.next_sync()
             wait = self.policy.wait
@@ -345,11 +344,6 @@ _LOCK = threading.RLock()  # a finalizer may run (garbage collection) while `lea
 def lookup(metrics: Sequence[StockMetric], label: str) -> Shortcut | None:
     """The shortcut learnt for a sync of ``metrics`` labelled ``label``, if any (its run checks the rest)."""
     return _SHORTCUTS.get((id(metrics[0]), len(metrics), label))
-
-
-def lookup_one(metric: StockMetric, label: str) -> Shortcut | None:
-    """:func:`lookup` for a sync of ``metric`` alone."""
-    return _SHORTCUTS.get((id(metric), 1, label))
 
 
 def learn(

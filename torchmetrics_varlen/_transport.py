@@ -352,7 +352,9 @@ class _RecordLength:
 # Keyed by the group object, weakly: a group destroyed (``destroy_process_group()``) takes its state along, and a group
 # made afterwards starts fresh even where it gets the same name, as on its other ranks.
 _LENGTHS: "weakref.WeakKeyDictionary[Any, _RecordLength]" = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()  # the Join worker thread syncs on its own group while the main thread syncs on others
+# Guards the table of groups: the Join worker thread syncs on its own group while the main thread syncs on others.
+# A group's own state needs no lock: only the thread that syncs on a group uses it (its collectives are ordered).
+_LOCK = threading.Lock()
 
 
 def _state(group: ProcessGroup | None) -> _RecordLength:
@@ -384,21 +386,10 @@ def exchange_records(
     """
     _notes.arm_exit_note()
     length = _state(group)
-    words = next_words(length)
+    words, _ = length.next_sync()
     # The last sync's works go while the records travel (see _kept_works): the peers wait for this rank's issue.
     table = _exchange_at(record, words, group, device, wait, timeout, what, _kept_works.release)
     return settle(table, record, length, words, group, device, wait, timeout, what)
-
-
-def next_words(length: _RecordLength) -> int:
-    """The record length every rank sends at in the sync of ``length``'s group that begins now.
-
-    A learnt sync (see ``_shortcut``) calls it alone: its group's exit note is armed since it was learnt, and it lets
-    the previous sync's works go while its records travel.
-    """
-    with _LOCK:
-        words, _ = length.next_sync()
-    return words
 
 
 def settle(
@@ -423,14 +414,8 @@ def settle(
     needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
         table = _exchange_at(record, needed, group, device, wait, timeout, what)
-    saw(length, needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
+    length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table  # at the agreed length: the plan reads each record's length from its header
-
-
-def saw(length: _RecordLength, needed: int) -> None:
-    """Every rank saw that the longest record of this sync has ``needed`` words."""
-    with _LOCK:
-        length.saw(needed)
 
 
 def exchange_prepared(
@@ -449,7 +434,7 @@ def exchange_prepared(
     ``send`` is this rank's record at the agreed length (int64, CPU), ``table`` the ``world_size x`` longer output;
     ``limits`` is what :func:`limits_of` gives for ``timeout``. ``meanwhile`` runs while the records travel, and its
     result is returned. ``direct``: the group object (``group`` resolved) and the options :func:`gather_direct`
-    issues with. The caller began the exchange (:func:`next_words`) and settles it.
+    issues with. The caller began the sync (``_RecordLength.next_sync``) and settles it.
     """
     work = gather_direct(direct[0], table, send, direct[1])
     prepared = meanwhile()

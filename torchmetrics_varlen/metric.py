@@ -236,20 +236,21 @@ class Metric(StockMetric, JoinableMetric):
         if self.sync_grads and torch.is_grad_enabled():
             return False
         label = f"{type(self).__name__}.compute"
-        shortcut = _shortcut.lookup_one(self, label)
+        metrics = (self,)
+        shortcut = _shortcut.lookup(metrics, label)
         group = self.process_group
         if shortcut is None or _transport.world_of(group) is None:
             return False
         attrs = vars(self)
         attrs["_cache"] = local_state_copy(self)
-        attempt = shortcut.run((self,), group, self.sync_timeout, None)
+        attempt = shortcut.run(metrics, group, self.sync_timeout, None)
         if attempt is None:  # not the learnt sync: nothing was sent, the usual way follows
             return False
         if not isinstance(attempt, list):  # exchanged, but some rank syncs otherwise: the long way from that table
             attempt = sync_states(
-                [self], group, phase="compute", label=label, timeout=self.sync_timeout, exchanged=attempt
+                metrics, group, phase="compute", label=label, timeout=self.sync_timeout, exchanged=attempt
             )
-        attrs.update(attempt[0])  # as `set_states`
+        set_states(self, attempt[0])
         attrs["_is_synced"] = True
         return True
 
