@@ -260,3 +260,44 @@ def test_mixed_sync_grads_raises_on_every_rank(world_size):
     for message in run_distributed(body_mixed_sync_grads, world_size, deadline=DEADLINE):
         assert message is not None
         assert "different" in message
+
+
+# ------------------------------------------------------- CPU states beside a CUDA autograd thread (issue 34 item 5)
+def body_host_states_with_cuda(rank, world_size, cuda_ranks):
+    """``torch.cuda.is_initialized`` answers True on ``cuda_ranks``: what a GPU job's CPU-state metric sees."""
+    from torchmetrics_varlen import SoftF1Loss
+
+    real = torch.cuda.is_initialized
+    torch.cuda.is_initialized = lambda: rank in cuda_ranks
+    errors = []
+    try:
+        for hook in (False, True):  # the loss metric (a per-step sync), then the hook
+            probs = torch.rand(3 + rank, dtype=torch.float64, requires_grad=True)
+            try:
+                if hook:
+                    torch.cat(gather_all_tensors(probs, sync_grads=True)).sum().backward()
+                else:
+                    SoftF1Loss()(probs, torch.ones(3 + rank)).backward()
+            except ValueError as err:
+                errors.append(str(err))
+    finally:
+        torch.cuda.is_initialized = real
+    # The group is still usable, and without CUDA in use the same sync carries gradients as before.
+    probs = torch.rand(3 + rank, dtype=torch.float64, requires_grad=True)
+    torch.cat(gather_all_tensors(probs, sync_grads=True)).sum().backward()
+    return errors, probs.grad.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("everywhere", [True, False])
+def test_differentiable_sync_of_cpu_states_in_a_cuda_process_is_refused_on_every_rank(world_size, everywhere):
+    # Its backward all-reduce would wait for the CPU thread's copies while DDP issues its own from the CUDA thread:
+    # an order that differs between ranks (a gloo abort on one GPU, seen on an H200). Decided from every rank's
+    # record, so a rank that alone holds CPU states makes every rank raise, before any data moves.
+    cuda_ranks = list(range(world_size)) if everywhere else [world_size - 1]
+    for rank, (errors, grad) in enumerate(run_distributed(body_host_states_with_cuda, world_size, cuda_ranks)):
+        assert len(errors) == 2, (rank, errors)
+        for message in errors:
+            assert f"ranks {cuda_ranks} hold them on the CPU while their process uses CUDA" in message, message
+            assert "metric.to(device)" in message and "sync_grads=False" in message, message
+        assert grad == [float(world_size)] * (3 + rank)  # d/dx of the sum over every rank's gathered pieces

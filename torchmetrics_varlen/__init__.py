@@ -1,7 +1,7 @@
 """torchmetrics-varlen: exact, hang-free, differentiable distributed TorchMetrics on uneven data."""
 
 from torchmetrics_varlen.collection import MetricCollection
-from torchmetrics_varlen.errors import SyncMemoryError, SyncMismatchError, SyncPeerError, SyncTimeoutError
+from torchmetrics_varlen.errors import SyncError, SyncMemoryError, SyncMismatchError, SyncPeerError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.indexed import IndexedMetric
 from torchmetrics_varlen.join import join
@@ -18,6 +18,7 @@ __all__ = [
     "Metric",
     "MetricCollection",
     "SoftF1Loss",
+    "SyncError",
     "SyncMemoryError",
     "SyncMismatchError",
     "SyncPeerError",

@@ -135,6 +135,8 @@ def run(
     local = first_device(entries)
     policy = _policy.policy_for(group, device, local)
     what = f"sync of {label}"
+    if flags & _protocol.FLAG_DIFF:
+        flags |= _host_grad_flag(entries, device)
     inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
     # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
     flags |= _protocol.REDUCE_FLAGS[policy.reduce]
@@ -175,6 +177,15 @@ def run(
     if plan.differentiable:
         return Synced(plan, _DifferentiableStep.run(step), rank)
     return Synced(plan, step.move(), rank)
+
+
+def _host_grad_flag(entries: Sequence[LocalEntry], device: torch.device | None) -> int:
+    """``FLAG_HOST_GRAD`` for a differentiable sync of CPU tensors in a process that uses CUDA, else 0 (``_policy``)."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # no CUDA: no CUDA autograd thread either
+        return 0
+    devices = [t.device for entry in entries if not isinstance(entry, Ref) for t in _entry_tensors(entry)]
+    crosses = _policy.crosses_autograd_threads([*devices, *([device] if device is not None else [])], True)
+    return _protocol.FLAG_HOST_GRAD if crosses else 0
 
 
 @dataclass

@@ -26,6 +26,7 @@ from torchmetrics_varlen._protocol import (
     ENTRY_LEN,
     FLAG_DIFF,
     FLAG_GRAD,
+    FLAG_HOST_GRAD,
     FLAG_INLINE,
     H_CAP,
     H_FLAGS,
@@ -216,6 +217,18 @@ def make_plan(
     return plan
 
 
+def refuse_host_grad(what: str, ranks: list[int]) -> None:
+    """Raise on every rank: a differentiable sync of CPU tensors in a process that uses CUDA (see ``_policy``)."""
+    raise ValueError(
+        f"{what}: expected the tensors of a differentiable sync (`sync_grads=True` in grad mode) on the device the"
+        f" gradients come from, but ranks {ranks} hold them on the CPU while their process uses CUDA. Their backward"
+        " all-reduce would wait for copies on the CPU's autograd thread while DDP issues its gradient all-reduces from"
+        " the CUDA thread, and the two can reach the process group in a different order on different ranks (a hang"
+        " or mixed-up gradients). Keep the metric on the model's device (`metric.to(device)`, updated with CUDA"
+        " tensors rather than `.cpu()` copies), or sync without gradients (`sync_grads=False`)."
+    )
+
+
 def _entry_name(index: int) -> str:
     return f"entry {index}"
 
@@ -249,6 +262,8 @@ def _make_plan(
         reduce = "never"  # the data came with the records: nothing is left to move
     any_graph = bool((flags & FLAG_GRAD).any())
     differentiable = bool((flags & FLAG_DIFF).all()) and (grad == "always" or any_graph)
+    if differentiable and bool((flags & FLAG_HOST_GRAD).any()):
+        refuse_host_grad(what, (flags & FLAG_HOST_GRAD).nonzero().flatten().tolist())
     if any_graph and not differentiable:
         reduce = "never"  # the local slot gets this rank's own tensor back, with its graph, as stock does
     reduce_groups = _route(entries, ops, world, reduce, differentiable)

@@ -239,6 +239,24 @@ def decide(facts: Facts) -> TransportPolicy:
     )
 
 
+def crosses_autograd_threads(devices: list[torch.device], cuda_in_use: bool) -> bool:
+    """Whether a differentiable sync of tensors on ``devices`` would race DDP's gradient all-reduces.
+
+    In a process that uses CUDA, DDP's hooks issue their all-reduces from the CUDA device's autograd thread. A sync
+    of CPU tensors (states updated with ``.cpu()`` copies) puts its backward all-reduce behind work on the CPU's
+    autograd thread, whatever device its own outputs live on, so which of the two reaches the process group first
+    is a matter of timing, and can differ between ranks: a hang or mixed-up gradients. Such a sync is refused, on
+    every rank alike (each rank's answer travels in its record as ``FLAG_HOST_GRAD``).
+
+    Example:
+        >>> crosses_autograd_threads([torch.device("cpu")], cuda_in_use=True)
+        True
+        >>> crosses_autograd_threads([torch.device("cpu")], cuda_in_use=False)
+        False
+    """
+    return cuda_in_use and any(device.type == "cpu" for device in devices)
+
+
 def reduce_mode(raw: str | None = None) -> str:
     """``TORCHMETRICS_VARLEN_REDUCE`` (or ``raw``): "auto" (default), "never" (gather everything) or "always"."""
     raw = os.environ.get(REDUCE_ENV, "auto") if raw is None else raw

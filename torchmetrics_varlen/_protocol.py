@@ -56,6 +56,9 @@ FLAG_REDUCE_NEVER, FLAG_REDUCE_ALWAYS = 16, 32
 REDUCE_FLAGS = {"auto": 0, "never": FLAG_REDUCE_NEVER, "always": FLAG_REDUCE_ALWAYS}
 _REDUCE_MASK = FLAG_REDUCE_NEVER | FLAG_REDUCE_ALWAYS
 FLAG_SHADOW = 64  # the record of a joined rank's Join worker: an empty batch of the metric it expects (_join_shadow)
+# A differentiable sync whose tensors live on the CPU in a process that uses CUDA (_policy.crosses_autograd_threads):
+# refused on every rank when any rank sets it (_plan.refuse_host_grad).
+FLAG_HOST_GRAD = 128
 # A sync of a few small dense states (sums, counts) carries the data in the records themselves: when every rank did
 # so and every state is dense, the metadata exchange is the whole sync, one collective.
 INLINE_MAX_BYTES = 256

@@ -34,7 +34,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _cap, _engine, _kept_works, _policy, _protocol, _transport
+from torchmetrics_varlen import _cap, _engine, _policy, _protocol, _transport
 from torchmetrics_varlen._repeat import Template
 
 StateDict = dict[str, Any]
@@ -249,8 +249,6 @@ class Shortcut:
 
     def _fresh(self) -> tuple[list[StateDict], list[Any]]:
         """The synced states' dicts with fresh tensors for the integer sums, to be summed into; made in flight."""
-        # What the long way's start does before its exchange (see _kept_works)
-        _kept_works.release()
         out: list[StateDict] = [{}] if self.count == 1 else [{} for _ in range(self.count)]
         sums = []
         for fresh in self.fresh:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _kept_works, _notes, _plan, _policy, _protocol
+from torchmetrics_varlen import _exit_grace, _notes, _plan, _policy, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_first, wait_for
 from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
@@ -179,7 +179,21 @@ def _finish(
     ``timeout``: the metric's ``sync_timeout`` (None: the group's own timeout; 0: no timer of ours). ``limits``: what
     :func:`limits_of` gives for them, where the caller kept it.
     """
-    _kept_works.keep(work)  # destroyed by this thread, not gloo's: see _kept_works
+    try:
+        _wait(work, group, wait, timeout, what, device_type, limits)
+    finally:
+        _exit_grace.waited()  # an exit right after it lets the backend's thread finish with the work first
+
+
+def _wait(
+    work: Any,
+    group: ProcessGroup | None,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    device_type: str,
+    limits: _Limits | None,
+) -> None:
     if limits is None:
         limits = _limits(timeout, group, wait, device_type)
     start = time.monotonic()
@@ -218,7 +232,6 @@ def _finish(
                 break
             done = state == "done"
     except PeerFailedError as err:
-        _kept_works.release()  # so that destroying the group closes its connections (see _kept_works)
         raise _failure(err, what, group, _note(group, what), limits, time.monotonic() - start) from err.__cause__
     if done and noted:
         _notes.write(noted[0], "waiting", "")  # arrived: an old note must not describe this rank at a later timeout
@@ -226,7 +239,6 @@ def _finish(
         waited = time.monotonic() - start
         waited = limits.ours if limits.ours is not None and waited < limits.ours + CHECK_BUSY else waited
         source = "the process group's own timeout" if limits.from_group else "`sync_timeout`"
-        _kept_works.release()
         raise SyncTimeoutError(_timeout_message(what, waited, source, limits, group, _notes.describe(found)))
 
 
@@ -363,7 +375,6 @@ def _state(group: ProcessGroup | None) -> _RecordLength:
         state = _LENGTHS.get(pg)
         if state is None:  # the group's first sync
             state = _LENGTHS[pg] = _RecordLength()
-            _kept_works.release_when_freed(pg)
         return state
 
 
@@ -387,8 +398,7 @@ def exchange_records(
     _notes.arm_exit_note()
     length = _state(group)
     words, _ = length.next_sync()
-    # The last sync's works go while the records travel (see _kept_works): the peers wait for this rank's issue.
-    table = _exchange_at(record, words, group, device, wait, timeout, what, _kept_works.release)
+    table = _exchange_at(record, words, group, device, wait, timeout, what)
     return settle(table, record, length, words, group, device, wait, timeout, what)
 
 
@@ -450,7 +460,6 @@ def _exchange_at(
     wait: str,
     timeout: float | None,
     what: str,
-    meanwhile: Callable[[], Any] | None = None,
 ) -> Tensor:
     padded = array.array("q", record[:words])
     padded.frombytes(bytes(8 * (words - len(padded))))
@@ -458,10 +467,7 @@ def _exchange_at(
     local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
-    work = _gather_equal(table, local, group)
-    if meanwhile is not None:
-        meanwhile()
-    _finish(work, group, wait, timeout, what, device.type)
+    _finish(_gather_equal(table, local, group), group, wait, timeout, what, device.type)
     table = table.view(world_size, words)
     return table if device.type == "cpu" else table.cpu()
 

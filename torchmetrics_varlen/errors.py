@@ -1,14 +1,27 @@
 """Errors raised by the sync protocol.
 
-All four errors subclass :class:`RuntimeError`, so code that already catches the errors of ``torch.distributed``
-keeps working. Each is raised on every rank that takes part in the failing sync and is still alive, never on one
-rank alone.
+All four errors subclass :class:`SyncError`, itself a :class:`torch.distributed.DistError` (a :class:`RuntimeError`),
+so ``except DistError`` and ``except RuntimeError`` catch them as they catch the errors of ``torch.distributed``.
+Each is raised on every rank that takes part in the failing sync and is still alive, never on one rank alone.
 """
 
-__all__ = ["SyncMemoryError", "SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
+from torch.distributed import DistError
+
+__all__ = ["SyncError", "SyncMemoryError", "SyncMismatchError", "SyncPeerError", "SyncTimeoutError"]
 
 
-class SyncMemoryError(RuntimeError):
+class SyncError(DistError):
+    """The base of the errors of a sync: catch it to handle any of them.
+
+    Example:
+        >>> import torch.distributed as dist
+        >>> from torchmetrics_varlen import SyncError, SyncTimeoutError
+        >>> issubclass(SyncTimeoutError, SyncError), issubclass(SyncError, dist.DistError)
+        (True, True)
+    """
+
+
+class SyncMemoryError(SyncError):
     """A rank could not allocate what a sync receives into; raised on every rank alike, before any data moved.
 
     After the metadata exchange every rank knows how much the sync receives (the padded gather's rows, the results of
@@ -24,7 +37,7 @@ class SyncMemoryError(RuntimeError):
     """
 
 
-class SyncMismatchError(RuntimeError):
+class SyncMismatchError(SyncError):
     """The ranks disagree about what they are syncing.
 
     Raised on every rank alike when the ranks hold data that cannot be combined (different dtype or number of
@@ -42,7 +55,7 @@ class SyncMismatchError(RuntimeError):
     """
 
 
-class SyncTimeoutError(RuntimeError):
+class SyncTimeoutError(SyncError):
     """Some ranks did not arrive at a sync within the sync timeout, or ended their process without it.
 
     Raised on the ranks that did arrive, after ``sync_timeout`` (by default the process group's own timeout), also when
@@ -60,7 +73,7 @@ class SyncTimeoutError(RuntimeError):
     """
 
 
-class SyncPeerError(RuntimeError):
+class SyncPeerError(SyncError):
     """Another rank crashed or closed its connection while this rank was in a sync (and left no exit note).
 
     Raised on the ranks that are still alive, with the backend's own error as the cause (``__cause__``), instead of

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from torchmetrics_varlen import _join_shadow, _kept_works, _notes, _policy
+from torchmetrics_varlen import _exit_grace, _join_shadow, _notes, _policy
 from torchmetrics_varlen._join_shadow import JoinShadowError
 from torchmetrics_varlen._state_sync import StateDict
 
@@ -124,8 +124,10 @@ class _Session:
                 self._pending = work
         work, self._pending = self._pending, None
         if work is not None and not self.joined:
-            _kept_works.keep(work)  # destroyed by this thread, not gloo's: see _kept_works
-            work.wait()
+            try:
+                work.wait()
+            finally:
+                _exit_grace.waited()  # see _exit_grace
             running = work.get_future().value()[0]
             self.joined = int(running.item()) < self.world_size
         return self.side if self.joined else None
