@@ -13,6 +13,7 @@ tests/test_device_choice.py).
 """
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -145,7 +146,66 @@ def _sync_grads_ddp(ctx: Ctx, states_on_cpu: bool) -> str:
 
 
 def _sync_grads_cpu_states(ctx: Ctx) -> str:
-    return _sync_grads_ddp(ctx, states_on_cpu=True)
+    if ctx.device.type != "cuda":  # no CUDA autograd thread: nothing to race, the gradients are checked
+        return _sync_grads_ddp(ctx, states_on_cpu=True)
+    try:
+        _sync_grads_ddp(ctx, states_on_cpu=True)
+    except ValueError as err:  # refused on every rank: its backward would race DDP's buckets (FLAG_HOST_GRAD)
+        if "hold them on the CPU while their process uses CUDA" not in str(err) or "metric.to(device)" not in str(err):
+            raise
+        return "SoftF1Loss(sync_grads=True) with CPU states in a CUDA process: ValueError on this rank, naming the fix"
+    raise AssertionError("a differentiable sync of CPU states in a process that uses CUDA was not refused")
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(4, 8)
+        self.head_a = torch.nn.Linear(8, 3)  # a loss term of its own
+        self.head_b = torch.nn.Linear(8, 3)  # feeds the metric
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        hidden = torch.tanh(self.trunk(x))
+        return self.head_a(hidden), self.head_b(hidden)
+
+
+def _slow(grad: Tensor) -> None:
+    time.sleep(0.3)
+
+
+def _two_heads_race(ctx: Ctx) -> str:
+    """Opposite delays on two ranks: DDP's bucket for ``head_a`` and the metric's backward all-reduce race."""
+    group = dist.new_group()
+    gen = torch.Generator().manual_seed(29)
+    features = torch.randn(8 * ctx.world_size, 4, generator=gen, dtype=torch.float64)
+    target = (torch.rand(8 * ctx.world_size, 3, generator=gen) > 0.5).double()
+    torch.manual_seed(0)
+    reference = _TwoHeads().double()
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    model = DistributedDataParallel(
+        copy.deepcopy(reference).to(ctx.device), device_ids=device_ids, process_group=group, bucket_cap_mb=1e-6
+    )
+    metric = SoftF1Loss(sync_grads=True, process_group=group).to(ctx.device)
+    x, t = ctx.local((features, target), [8] * ctx.world_size)
+    out_a, out_b = reference(features)
+    (out_a.square().mean() + _soft_f1_loss(torch.sigmoid(out_b), target)).backward()  # type: ignore[no-untyped-call]
+    steps = 4  # DDP rebuilds its buckets after the first step: the race can show from the second
+    for step in range(steps):
+        model.zero_grad()
+        metric.reset()
+        a, b = model(x)
+        if ctx.rank == 0:
+            a.register_hook(_slow)  # delays head_a's gradients and DDP's bucket for them
+        loss_b = metric(torch.sigmoid(b), t)
+        if ctx.rank == 1:
+            loss_b.register_hook(_slow)  # delays the metric's backward all-reduce
+        (a.square().mean() + loss_b).backward()  # type: ignore[no-untyped-call]
+        for (name, got), expected in zip(model.module.named_parameters(), reference.parameters()):
+            _close(f"grad of {name} at step {step}", got.grad, expected.grad, rtol=1e-7, atol=1e-10)
+    return (
+        f"two heads, SoftF1Loss(sync_grads=True) on {metric.device} beside a loss term of its own, opposite delays on"
+        f" ranks 0 and 1, DDP on {ctx.backend} with a bucket per parameter: {steps} steps, grads as one process"
+    )
 
 
 def _sync_grads_cuda_states(ctx: Ctx) -> str:
@@ -182,5 +242,6 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario("sync-grads-cpu-states", "sync_grads with CPU states under DDP", _sync_grads_cpu_states),
     Scenario("sync-grads-cuda-states", "sync_grads with CUDA states under DDP", _sync_grads_cuda_states),
+    Scenario("two-heads-race", "sync_grads beside a second loss head, opposite delays per rank", _two_heads_race),
     Scenario("sync-in-cuda-stream", "a sync issued inside torch.cuda.stream(...)", _sync_in_stream),
 )
