@@ -65,7 +65,7 @@ def body_engine_asks_with_the_metric_device(rank, world_size):
     asked = []
     metric_device = torch.device("meta")  # stands for a device no local tensor is on (gloo still serves the sync)
     with _spy(_policy, "policy_for", asked):
-        synced = _engine.run([entry], None, context=7, label="test", timeout=30.0, cat=[True], device=metric_device)
+        synced = _engine.run(_engine.Request([entry], None, 7, "test", 30.0, cat=[True], device=metric_device))
     assert synced is not None
     result = synced.results[0]
     assert isinstance(result, Joined) and result.tensor is not None
@@ -93,7 +93,7 @@ def test_the_engine_decides_from_the_metric_device_and_an_empty_entry_gets_it(wo
 
 
 def _engine_devices(calls):
-    return [kwargs.get("device", "not passed") for _, kwargs in calls]
+    return [args[0].device for args, _ in calls]  # each call's one argument: the request
 
 
 def body_callers_pass_the_metric_device(rank, world_size):

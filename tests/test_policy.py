@@ -52,7 +52,7 @@ def test_local_data_never_picks_the_backend(backend, metric, cuda_available):
     }
     if metric is None and ":" not in backend:
         decided.pop(None)  # the hook on a one-backend group always has its tensor (it picks a device of the kind)
-    serving = {(_policy._serving(backend, p.device.type), p.wait, p.grad_wait) for p in decided.values()}
+    serving = {(_policy.serving_backend(backend, p.device.type), p.wait, p.grad_wait) for p in decided.values()}
     assert len(serving) == 1, decided
 
 

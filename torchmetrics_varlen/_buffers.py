@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from torchmetrics_varlen import _caches
 from torchmetrics_varlen._plan import (
     ENC_INVERT,
     ENC_SPLIT,
@@ -79,6 +80,10 @@ class Reduced:
 Result = Stacked | Joined | Reduced | list[Tensor | list[Tensor]]  # a list: one piece per rank
 
 _CACHE = threading.local()  # per thread: the Join worker thread packs while the main thread may too
+_caches.register(
+    "_buffers._CACHE: a CPU send buffer reused between syncs (this thread's), since fresh pages cost time",
+    lambda: _CACHE.__dict__.clear(),
+)
 SEND_BUFFER_CACHE_BYTES = 64 * 2**20
 _CPU = torch.device("cpu")
 

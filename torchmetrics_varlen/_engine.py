@@ -53,7 +53,6 @@ class Synced:
     plan: Plan
     results: list[Result | None]
     rank: int
-    template: _repeat.Template | None = None  # what a repeated small sync learnt (see _repeat), if it did
 
 
 def first_device(entries: Sequence[LocalEntry]) -> torch.device | None:
@@ -81,29 +80,9 @@ def entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
     return default
 
 
-def run(
-    entries: Sequence[LocalEntry],
-    group: Any,
-    *,
-    context: int,
-    label: str,
-    timeout: float | None,
-    flags: int = 0,
-    aux: Sequence[int] | None = None,
-    ops: Sequence[int] | None = None,
-    cat: Sequence[bool] | None = None,
-    stop: Callable[[Tensor], bool] | None = None,
-    dst: int | None = None,
-    grad: str = "if_graph",
-    inline: bool = True,
-    names: Callable[[int], str] | None = None,
-    device: torch.device | None = None,
-    cap: int | None = None,
-    exchanged: tuple[Sequence[int], Tensor] | None = None,
-) -> Synced | None:
-    """Sync ``entries`` across ``group``; None when ``stop`` ended it after the metadata exchange.
-
-    The caller must have checked that a sync is needed (``_transport.world_of(group)`` is not None).
+@dataclass(frozen=True)
+class Request:
+    """One sync: what is synced, over which group, and how. Every caller builds one and hands it to :func:`run`.
 
     Args:
         entries: local tensors, lists of tensors, or references to an earlier entry.
@@ -118,65 +97,95 @@ def run(
         stop: looks at the exchanged table; True ends the sync there (every rank sees the same table).
         dst: gather to this rank only.
         grad: when a sync flagged ``FLAG_DIFF`` is differentiable (see ``_plan.make_plan``).
-        inline: let small dense data ride in the record (one collective in all when every rank can).
         names: names the entry at a position in error messages (a metric's state); "entry N" when None.
         device: the metric's device (``Metric.device``), equal on every rank: it picks the backend of a group with
             several, and where an entry without tensors gets its results. None only where no metric is known (the
             ``gather_all_tensors`` hook, whose one tensor is always there).
         cap: this rank's transfer cap in bytes (``Metric(sync_cap=...)``); None: the environment's or the default
             (see :mod:`torchmetrics_varlen._cap`). The plan takes the smallest of all ranks'.
-        exchanged: this rank's record and the exchanged table, where the metadata exchange already ran (a learnt
-            sync whose table differed from what it learnt: see :mod:`torchmetrics_varlen._shortcut`); the record
-            must be the one ``describe`` makes of ``entries``.
     """
-    world = _transport.world_of(group)
+
+    entries: Sequence[LocalEntry]
+    group: Any
+    context: int
+    label: str
+    timeout: float | None
+    flags: int = 0
+    aux: Sequence[int] | None = None
+    ops: Sequence[int] | None = None
+    cat: Sequence[bool] | None = None
+    stop: Callable[[Tensor], bool] | None = None
+    dst: int | None = None
+    grad: str = "if_graph"
+    names: Callable[[int], str] | None = None
+    device: torch.device | None = None
+    cap: int | None = None
+
+
+def run(request: Request) -> Synced | None:
+    """Sync ``request.entries`` across ``request.group``; None when ``request.stop`` ended it after the exchange.
+
+    The caller must have checked that a sync is needed (``_transport.world_of(group)`` is not None).
+    """
+    world = _transport.world_of(request.group)
     assert world is not None
     rank, _ = world
-    local = first_device(entries)
-    policy = _policy.policy_for(group, device, local)
-    what = f"sync of {label}"
+    local = first_device(request.entries)
+    policy = _policy.policy_for(request.group, request.device, local)
+    flags = request.flags | _protocol.REDUCE_FLAGS[policy.reduce]  # ranks that differ raise together
     if flags & _protocol.FLAG_DIFF:
-        flags |= _host_grad_flag(entries, device)
-    inline = inline and dst is None and not flags & _protocol.FLAG_DIFF
-    # The reduce mode is each rank's environment: it travels in the header, and ranks that differ raise together.
-    flags |= _protocol.REDUCE_FLAGS[policy.reduce]
-    cap = cap if cap is not None else _cap.resolve_cap()
-    broadcast_min = policy.broadcast_min
-    # A small sync repeated with the same metadata builds its record from what it learnt (see _repeat). The cap
-    # travels in the header and the broadcast threshold shapes the plan: both are part of what is learnt.
-    key = (context, label, flags, cap, broadcast_min) if inline and stop is None else None
-    template = _repeat.lookup(key) if key is not None and exchanged is None else None
-    record: Sequence[int] | None = None
-    if template is not None:
-        record = _repeat.record(template, entries, aux, ops, cat, grad)
-    if exchanged is not None:
-        record, table = exchanged
-    else:
-        if record is None:
-            template = None
-            record = _protocol.describe(entries, context, label, flags, aux, inline, cap)
-        table = _transport.exchange_records(record, group, policy.device, policy.wait, timeout, what)
-    if stop is not None and stop(table):
+        flags |= _host_grad_flag(request.entries, request.device)
+    inline = request.dst is None and not flags & _protocol.FLAG_DIFF
+    cap = request.cap if request.cap is not None else _cap.resolve_cap()
+    what = f"sync of {request.label}"
+    record = _protocol.describe(request.entries, request.context, request.label, flags, request.aux, inline, cap)
+    table = _transport.exchange_records(record, request.group, policy.device, policy.wait, request.timeout, what)
+    if request.stop is not None and request.stop(table):
         return None
     words = table.numpy()  # at least the group's first record length: the header is there
     described = _protocol.record_words(int(words[0, _protocol.H_N]))
+    # The one fast path (see _repeat): a small inline sync whose table has the learnt headers and slots. The cap
+    # travels in the header and the broadcast threshold shapes the plan: the key holds the rest of what is learnt.
+    key = (request.context, request.label, flags, cap, policy.broadcast_min)
+    learnable = plan_is_learnable(record, request.stop)
+    template = _repeat.lookup(key) if learnable else None
     if template is not None:  # every rank sees the same table, so every rank takes the same branch
-        learnt = _repeat.results(template, words, described)
+        learnt = _repeat.results(template, words, described, request.ops, request.cat, request.grad)
         if learnt is not None:
-            return Synced(template.plan, learnt, rank, template)
+            return Synced(template.plan, learnt, rank)
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
-    reduce = "never" if dst is not None else policy.reduce
-    plan = _plan.make_plan(table, what, ops, reduce, digest, grad, cat, names, broadcast_min)
+    reduce = "never" if request.dst is not None else policy.reduce
+    plan = _plan.make_plan(
+        table, what, request.ops, reduce, digest, request.grad, request.cat, request.names, policy.broadcast_min
+    )
     if plan.inline:  # the data came with the records: cut it out of the table
-        if key is not None:
-            template = _repeat.learn(key, entries, record, aux, ops, cat, grad, words, described, plan)
-        return Synced(plan, _buffers.unpack_inline(table, described, plan), rank, template)
-    devices = [entry_device(entry, device or local or policy.device) for entry in entries]
-    step = _Step(entries, plan, group, rank, policy, devices, cat, timeout, what, dst)
-    if plan.differentiable:
-        return Synced(plan, _DifferentiableStep.run(step), rank)
-    return Synced(plan, step.move(), rank)
+        if learnable:
+            _repeat.learn(key, record, request.ops, request.cat, request.grad, words, described, plan)
+        return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
+    return Synced(plan, _data_step(request, plan, rank, policy, local, what), rank)
+
+
+def _data_step(
+    request: Request,
+    plan: Plan,
+    rank: int,
+    policy: _policy.TransportPolicy,
+    local: torch.device | None,
+    what: str,
+) -> list[Result | None]:
+    """Move the data the plan lays out: plainly, or as one autograd node."""
+    fallback = request.device or local or policy.device
+    devices = [entry_device(entry, fallback) for entry in request.entries]
+    step = _Step(
+        request.entries, plan, request.group, rank, policy, devices, request.cat, request.timeout, what, request.dst
+    )
+    return _DifferentiableStep.run(step) if plan.differentiable else step.move()
+
+
+def plan_is_learnable(record: Sequence[int], stop: Callable[[Tensor], bool] | None) -> bool:
+    """Whether the plan of a sync that sent ``record`` may be learnt: its data rode in the records, and no ``stop``."""
+    return stop is None and bool(record[_protocol.H_FLAGS] & _protocol.FLAG_INLINE)
 
 
 def _host_grad_flag(entries: Sequence[LocalEntry], device: torch.device | None) -> int:

@@ -33,7 +33,6 @@ from torchmetrics_varlen._state_sync import (
     layout_text,
     reduce_results,
     run_layout,
-    state_label,
     sync_layout,
 )
 
@@ -137,7 +136,7 @@ def step_sync(
         if synced is not None:
             break
     _warn_mean_of_means([metric], layout, synced.plan)
-    reduced = reduce_results(layout, synced, lambda position: state_label([metric], layout, position))
+    reduced = reduce_results(layout, synced, layout.state_name)
     return {name: value for (_, name), value in zip(layout.keys, reduced)}
 
 
@@ -151,7 +150,7 @@ def exchange_terminate(side: Any, timeout: float | None, what: str) -> None:
         seen.append(table)
         return True
 
-    _engine.run([], side, context=TERMINATE, label="Join.terminate", timeout=timeout, stop=stop)
+    _engine.run(_engine.Request([], side, TERMINATE, "Join.terminate", timeout, stop=stop))
     failed = failed_ranks(seen[0])
     if failed:
         raise JoinShadowError(failure_message(what, failed))
@@ -284,6 +283,6 @@ class Shadow:
         """Send a record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch."""
         try:
             label = f"Join failed on rank {rank}"
-            _engine.run([], self.side, context=FAILED, label=label, timeout=self.timeout, stop=lambda table: True)
+            _engine.run(_engine.Request([], self.side, FAILED, label, self.timeout, stop=lambda table: True))
         except Exception:  # the original error is what gets reported
             pass

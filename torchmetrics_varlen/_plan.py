@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from torchmetrics_varlen import _caches
 from torchmetrics_varlen._protocol import (
     ALIGN,
     DTYPES,
@@ -176,6 +177,10 @@ _PLANS: dict[tuple[bytes, tuple[int, ...], str], Plan] = {}
 # Plans (and the dense entries they share) are never mutated once made: a routed entry is a copy (``_with_route``).
 _PLANS_LOCK = threading.Lock()  # the Join worker thread plans too
 PLAN_CACHE_SIZE = 64
+_caches.register(
+    "_plan._PLANS: a metric synced again and again sends the same table, and a lookup costs less than a plan",
+    _PLANS.clear,
+)
 
 
 def make_plan(
@@ -611,3 +616,9 @@ def _raise_uneven(
         f"{what}: expected `{name}` to have the same number of dimensions on every rank that holds"
         f" data, but got {found}." + lines
     )
+
+
+_caches.register(
+    "_plan._dense_entry: a dense entry's plan, shared by every sync with that slot (read only)",
+    _dense_entry.cache_clear,
+)

@@ -77,6 +77,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchmetrics_varlen import _caches
+
 REDUCE_ENV = "TORCHMETRICS_VARLEN_REDUCE"
 REDUCE_MODES = ("auto", "never", "always")
 # Polling checks without sleeping first (100-200 us): a small collective completes within them, and a rank that
@@ -173,6 +175,9 @@ def backend_of(group: Any) -> str:
 # A group's backend never changes; every sync asks (``dist.get_backend`` costs more than the rest of the policy).
 # Weakly keyed: a destroyed group takes its entry along, and a group made later is looked up afresh.
 _BACKENDS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_caches.register(
+    "_policy._BACKENDS: a group's backend never changes, and asking torch costs more than the policy", _BACKENDS.clear
+)
 
 
 def bound_device(group: Any) -> torch.device | None:
@@ -186,7 +191,7 @@ def _backends(backend: str) -> dict[str, str]:
     return dict(part.split(":", 1) for part in backend.split(","))  # "cpu:gloo,cuda:nccl"
 
 
-def _serving(backend: str, device_type: str) -> str:
+def serving_backend(backend: str, device_type: str) -> str:
     """The backend that serves tensors of ``device_type``: ``backend`` itself, or its entry for that device type."""
     if ":" not in backend:
         return backend
@@ -209,12 +214,12 @@ def _serving_type(backend: str, device: torch.device | None, local: torch.device
 
 def wait_mode(backend: str, device_type: str) -> str:
     """How to wait for a collective of ``backend`` on buffers of ``device_type``: "block" on gloo, else "poll"."""
-    return "block" if _serving(backend, device_type) == "gloo" else "poll"
+    return "block" if serving_backend(backend, device_type) == "gloo" else "poll"
 
 
 def buffer_device(facts: Facts) -> torch.device:
     """Where the buffers of a sync live (see the module docstring for the order of preference)."""
-    backend = _serving(facts.backend, serving_type(facts))
+    backend = serving_backend(facts.backend, serving_type(facts))
     if backend == "nccl":
         for candidate in (facts.bound, facts.device, facts.local):
             if candidate is not None and candidate.type == "cuda":
@@ -230,7 +235,7 @@ def decide(facts: Facts) -> TransportPolicy:
     """The policy of a sync with these facts: a pure function, so tests give it made-up backends and devices."""
     device = buffer_device(facts)
     grad_device = device if device.type != "cpu" else (facts.device or facts.local or _CPU)
-    serving = _serving(facts.backend, device.type)
+    serving = serving_backend(facts.backend, device.type)
     nccl = serving == "nccl"
     wait = wait_mode(facts.backend, device.type)
     broadcast_min = BROADCAST_MIN_BYTES.get(serving, BROADCAST_MIN_BYTES["gloo"])
@@ -279,18 +284,9 @@ def policy_for(group: Any, device: torch.device | None, local: torch.device | No
     cuda_available = ":" in backend and device is None and torch.cuda.is_available()
     reduce = os.environ.get(REDUCE_ENV, "")
     bound, current = None, -1
-    if _serving(backend, _serving_type(backend, device, local, cuda_available)) == "nccl":
+    if serving_backend(backend, _serving_type(backend, device, local, cuda_available)) == "nccl":
         bound, current = bound_device(group), torch.cuda.current_device()
     return _decide(backend, device, local, bound, current, cuda_available, reduce)
-
-
-def forced_policy() -> "TransportPolicy | None":
-    """The policy :func:`forced` set for this thread, if any: :func:`policy_for` returns it whatever the group.
-
-    A learnt sync checks it, with the environment, instead of asking for its policy again (see
-    :mod:`torchmetrics_varlen._shortcut`).
-    """
-    return _FORCED.policy
 
 
 @functools.lru_cache(maxsize=64)
@@ -403,3 +399,6 @@ def _wait_blocking(
                 _wait_completed(work)
                 return True
             # The slice expired ("Operation timed out!"): the work is untouched and still pending.
+
+
+_caches.register("_policy._decide: a policy depends on its facts only, and every sync asks", _decide.cache_clear)

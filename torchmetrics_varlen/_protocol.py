@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from torchmetrics_varlen import _caches
 from torchmetrics_varlen._cap import DEFAULT_CAP
 from torchmetrics_varlen.errors import SyncMismatchError
 
@@ -443,3 +444,12 @@ def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None =
             f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
             " be synced.\n" + rank_lines(table, entry)
         )
+
+
+_caches.register(
+    "_protocol._encode_label: a label's words, the same at every sync of a metric", _encode_label.cache_clear
+)
+_caches.register("_protocol._tensor_slot: a tensor kind's slot words, the same at every sync", _tensor_slot.cache_clear)
+_caches.register(
+    "_protocol.inline_layout: a small record's data layout, the same at every step", inline_layout.cache_clear
+)

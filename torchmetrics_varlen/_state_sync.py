@@ -24,7 +24,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _engine, _plan, _protocol, _shortcut
+from torchmetrics_varlen import _caches, _engine, _plan, _protocol
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
@@ -33,11 +33,6 @@ from torchmetrics_varlen.errors import SyncMismatchError
 StateDict = dict[str, Any]
 _OPS: dict[Any, int] = {dim_zero_sum: _plan.OP_SUM, dim_zero_max: _plan.OP_MAX, dim_zero_min: _plan.OP_MIN}
 _OPS[dim_zero_mean] = _plan.OP_MEAN
-
-
-def state_names(metric: StockMetric) -> list[str]:
-    """The metric's synced states, in registration order (the private ``_reductions`` of torchmetrics)."""
-    return list(metric._reductions)
 
 
 def _reduction_name(fn: Any) -> str:
@@ -186,32 +181,18 @@ def sync_states(
     differentiable: bool = False,
     dst: int | None = None,
     cap: int | None = None,
-    exchanged: "_shortcut.Exchanged | None" = None,
 ) -> list[StateDict]:
     """Gather and reduce the states of ``metrics`` across ``group``.
 
     Returns one dict of reduced (global) states per metric. With ``dst``, only rank ``dst`` gets the states; the
     others get ``[]``. The local slot keeps this rank's own tensors, so their rank-local autograd graph survives; with
     ``differentiable`` the sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's
-    states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's). ``exchanged``:
-    the record and table a learnt sync exchanged before it found that some rank syncs otherwise.
+    states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's).
     """
-    plain = values is None and not differentiable and dst is None  # a sync a shortcut may be learnt for
-    if plain and exchanged is None:
-        shortcut = _shortcut.lookup(metrics, label)
-        if shortcut is not None:
-            attempt = shortcut.run(metrics, group, timeout, cap)
-            if isinstance(attempt, list):
-                return attempt
-            exchanged = attempt  # None: not run; else the record and table it exchanged, for the long way
     layout = sync_layout(metrics, phase, values)
     flags = _protocol.FLAG_DIFF if differentiable else 0
-    synced = run_layout(
-        layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap, exchanged=exchanged
-    )
+    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap)
     assert synced is not None  # no `stop` given
-    if plain and synced.template is not None:
-        _shortcut.learn(metrics, layout, group, cap, synced, label)
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
@@ -234,21 +215,19 @@ def run_layout(
     stop: Any = None,
     device: torch.device | None = None,
     cap: int | None = None,
-    exchanged: tuple[Sequence[int], Tensor] | None = None,
 ) -> "_engine.Synced | None":
     """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
 
     ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
     results go to: the Join shadow, which must never touch CUDA, passes the CPU. ``cap`` replaces the layout's
-    transfer cap (a collection's own ``sync_cap``). ``exchanged``: the metadata exchange already ran (see
-    :mod:`torchmetrics_varlen._shortcut`).
+    transfer cap (a collection's own ``sync_cap``).
     """
-    return _engine.run(
+    request = _engine.Request(
         layout.entries,
         group,
-        context=layout.context,
-        label=label,
-        timeout=timeout,
+        layout.context,
+        label,
+        timeout,
         flags=flags | (_protocol.FLAG_GRAD if layout.graph else 0),
         aux=layout.aux,
         ops=layout.ops,
@@ -259,13 +238,8 @@ def run_layout(
         names=layout.state_name,
         device=device or layout.device,
         cap=cap if cap is not None else layout.cap,
-        exchanged=exchanged,
     )
-
-
-def state_label(metrics: Sequence[StockMetric], layout: Layout, position: int) -> str:
-    """``"<metric class>.<state>"`` of the entry at ``position``: error messages."""
-    return layout.state_name(position)
+    return _engine.run(request)
 
 
 def reduce_results(layout: Layout, synced: "_engine.Synced", where: Callable[[int], str]) -> list[Any]:
@@ -422,6 +396,7 @@ def _carries_graph(own: LocalEntry | None) -> bool:
 
 
 _MEAN_WARNED: "weakref.WeakKeyDictionary[StockMetric, set[str]]" = weakref.WeakKeyDictionary()
+_caches.register("_state_sync._MEAN_WARNED: the mean-of-means warning, once per metric and state", _MEAN_WARNED.clear)
 
 
 def _warn_mean_of_means(metrics: Sequence[StockMetric], layout: Layout, plan: Plan) -> None:
@@ -448,3 +423,9 @@ def _warn_mean_of_means(metrics: Sequence[StockMetric], layout: Layout, plan: Pl
             UserWarning,
             stacklevel=4,
         )
+
+
+_caches.register("_state_sync._fixed: what a set of metric classes syncs, the same at every sync", _fixed.cache_clear)
+_caches.register(
+    "_state_sync._result_dtype: the dtype stock's reduction gives, the same for a dtype", _result_dtype.cache_clear
+)

@@ -16,8 +16,7 @@ timeout behaviour on every backend:
   closed its connection makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncPeerError` with the backend's
   error.
 
-Collectives are looked up on ``torch.distributed`` at call time (the learnt small sync's one exchange on
-:func:`gather_direct`), so tests can count them by wrapping those functions.
+Collectives are looked up on ``torch.distributed`` at call time, so tests can count them by wrapping those functions.
 """
 
 import array
@@ -36,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _exit_grace, _notes, _plan, _policy, _protocol
+from torchmetrics_varlen import _caches, _exit_grace, _notes, _plan, _policy, _protocol
 from torchmetrics_varlen._notes import NOTE_AFTER
 from torchmetrics_varlen._policy import PeerFailedError, wait_first, wait_for
 from torchmetrics_varlen.errors import SyncMemoryError, SyncPeerError, SyncTimeoutError
@@ -81,6 +80,10 @@ _DISTRIBUTED = dist.is_available()  # built with torch.distributed: fixed for th
 # group takes its entry along; one made later is looked up afresh).
 _WORLDS: "weakref.WeakKeyDictionary[Any, tuple[int, int] | None]" = weakref.WeakKeyDictionary()
 _LAST_WORLD: "list[tuple[weakref.ref[Any], tuple[int, int] | None] | None]" = [None]
+_caches.register("_transport._WORLDS: a group's rank and size never change, and every sync asks", _WORLDS.clear)
+_caches.register(
+    "_transport._LAST_WORLD: the group asked last, without a weak-key lookup", lambda: _LAST_WORLD.__setitem__(0, None)
+)
 
 
 def default_timeout() -> float | None:
@@ -100,15 +103,32 @@ def group_timeout(group: ProcessGroup | None, device_type: str) -> float:
 
     ``init_process_group``/``new_group`` store it in the backend's options (``Backend.options._timeout``, private:
     covered by a test, so a torch release that moves it fails there); where it cannot be read, torch's default for
-    groups that are not NCCL's (``torch.distributed.default_pg_timeout``).
+    that backend (:func:`fallback_timeout`).
     """
     pg: Any = group if group is not None else dist.group.WORLD
     try:
         value = pg._get_backend(torch.device(device_type)).options._timeout
         return float(value.total_seconds())
     except (AttributeError, RuntimeError, ValueError):
-        fallback: datetime.timedelta = dist.default_pg_timeout
-        return float(fallback.total_seconds())
+        return fallback_timeout(_policy.backend_of(group), device_type)
+
+
+def fallback_timeout(backend: str, device_type: str) -> float:
+    """The default timeout torch gives a group of ``backend`` (its entry for ``device_type``), in seconds.
+
+    NCCL's is 10 minutes (``default_pg_nccl_timeout``, None in a torch built without NCCL), every other backend's 30.
+
+    Example:
+        >>> fallback_timeout("nccl", "cuda"), fallback_timeout("gloo", "cpu")
+        (600.0, 1800.0)
+        >>> fallback_timeout("cpu:gloo,cuda:nccl", "cuda"), fallback_timeout("cpu:gloo,cuda:nccl", "cpu")
+        (600.0, 1800.0)
+    """
+    if _policy.serving_backend(backend, device_type) == "nccl":
+        nccl: datetime.timedelta | None = getattr(dist.constants, "default_pg_nccl_timeout", None)
+        return float((nccl or datetime.timedelta(minutes=10)).total_seconds())
+    default: datetime.timedelta = dist.default_pg_timeout
+    return float(default.total_seconds())
 
 
 def margin(seconds: float) -> float:
@@ -292,23 +312,6 @@ def _failure(
     return SyncPeerError(_peer_message(what, group, message))
 
 
-def gather_options() -> Any:
-    """The options of an asynchronous all-gather, for :func:`gather_direct`."""
-    options = torch._C._distributed_c10d.AllgatherOptions()
-    options.asyncOp = True
-    return options
-
-
-def gather_direct(pg: ProcessGroup, output: Tensor, local: Tensor, options: Any) -> Any:
-    """``all_gather_single`` on the group object itself: the learnt small sync's exchange (see ``_shortcut``).
-
-    ``torch.distributed.all_gather_single`` checks its arguments and the group in Python first (7-14 microseconds of
-    a 200-microsecond small sync here). The learnt sync sends buffers it made and checked itself, on a group it
-    already synced on, so it skips them. Looked up at call time, as the ``torch.distributed`` collectives are.
-    """
-    return pg.all_gather_single(output, local, options)
-
-
 def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> Any:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, local, group=group, async_op=True)
@@ -364,6 +367,9 @@ class _RecordLength:
 # Keyed by the group object, weakly: a group destroyed (``destroy_process_group()``) takes its state along, and a group
 # made afterwards starts fresh even where it gets the same name, as on its other ranks.
 _LENGTHS: "weakref.WeakKeyDictionary[Any, _RecordLength]" = weakref.WeakKeyDictionary()
+_caches.register(
+    "_transport._LENGTHS: each group's agreed record length, which every rank derives alike", _LENGTHS.clear
+)
 # Guards the table of groups: the Join worker thread syncs on its own group while the main thread syncs on others.
 # A group's own state needs no lock: only the thread that syncs on a group uses it (its collectives are ordered).
 _LOCK = threading.Lock()
@@ -426,30 +432,6 @@ def settle(
         table = _exchange_at(record, needed, group, device, wait, timeout, what)
     length.saw(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table  # at the agreed length: the plan reads each record's length from its header
-
-
-def exchange_prepared(
-    send: Tensor,
-    table: Tensor,
-    group: ProcessGroup | None,
-    wait: str,
-    timeout: float | None,
-    what: str,
-    limits: _Limits,
-    meanwhile: Callable[[], Any],
-    direct: tuple[ProcessGroup, Any],
-) -> Any:
-    """The metadata exchange of a learnt sync (see :mod:`torchmetrics_varlen._shortcut`): ``send`` into ``table``.
-
-    ``send`` is this rank's record at the agreed length (int64, CPU), ``table`` the ``world_size x`` longer output;
-    ``limits`` is what :func:`limits_of` gives for ``timeout``. ``meanwhile`` runs while the records travel, and its
-    result is returned. ``direct``: the group object (``group`` resolved) and the options :func:`gather_direct`
-    issues with. The caller began the sync (``_RecordLength.next_sync``) and settles it.
-    """
-    work = gather_direct(direct[0], table, send, direct[1])
-    prepared = meanwhile()
-    _finish(work, group, wait, timeout, what, "cpu", limits)
-    return prepared
 
 
 def _exchange_at(

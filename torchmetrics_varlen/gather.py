@@ -92,21 +92,22 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         return [result]
     rank, _ = world
     try:
-        synced = _engine.run(
+        request = _engine.Request(
             [result],
             group,
-            context=_GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
-            label="gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
-            timeout=_transport.default_timeout(),
+            _GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
+            "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
+            _transport.default_timeout(),
             # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
             flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
             grad="always",
             names=_tensor_name,
-            # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is
-            # the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked, and
-            # torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
+            # No metric here: the tensor is all there is. It never picks the backend of a group with several (that
+            # is the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked,
+            # and torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
             device=None,
         )
+        synced = _engine.run(request)
     except SyncTimeoutError as err:  # the waiting ranks: name the case the hook cannot help with
         raise SyncTimeoutError(str(err) + HOOK_LIMIT) from err
     assert synced is not None  # no `stop` given

@@ -16,7 +16,7 @@ from torchmetrics.utilities import distributed as _tm_distributed
 from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
 
-from torchmetrics_varlen import _shortcut, _transport
+from torchmetrics_varlen import _transport
 from torchmetrics_varlen._cap import parse_cap
 from torchmetrics_varlen._state_sync import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
@@ -208,51 +208,12 @@ class Metric(StockMetric, JoinableMetric):
         """
         if not should_sync or self._is_synced:
             return
-        if process_group is None and distributed_available is None and self._sync_learnt(dist_sync_fn):
-            return
         if not self._distributed(distributed_available):
             return
         attrs = vars(self)  # plain attributes: see `set_states`
         attrs["_cache"] = local_state_copy(self)
         self._sync_dist(dist_sync_fn or self.dist_sync_fn or gather_all_tensors, process_group=process_group)
         attrs["_is_synced"] = True
-
-    def _sync_learnt(self, dist_sync_fn: Callable[..., Any] | None) -> bool:
-        """Whether this sync ran as a learnt one (see ``_shortcut``), straight from :meth:`sync`; else nothing ran.
-
-        A compute-time sync of a metric that learnt it, with this class's sync steps (no override), the default
-        gather and availability check and no autograd: then what :meth:`_sync_dist` and ``sync_states`` would do
-        before reaching the learnt sync is what its own checks cover, and each layer costs microseconds right after
-        a collective woke the process.
-        """
-        if (
-            not self._should_unsync
-            or not _plain_sync(type(self))
-            or (dist_sync_fn or self.dist_sync_fn) not in _OUR_GATHERS
-        ):
-            return False
-        if self.distributed_available_fn is not _tm_metric.jit_distributed_available:
-            return False
-        if self.sync_grads and torch.is_grad_enabled():
-            return False
-        label = f"{type(self).__name__}.compute"
-        metrics = (self,)
-        shortcut = _shortcut.lookup(metrics, label)
-        group = self.process_group
-        if shortcut is None or _transport.world_of(group) is None:
-            return False
-        attrs = vars(self)
-        attrs["_cache"] = local_state_copy(self)
-        attempt = shortcut.run(metrics, group, self.sync_timeout, None)
-        if attempt is None:  # not the learnt sync: nothing was sent, the usual way follows
-            return False
-        if not isinstance(attempt, list):  # exchanged, but some rank syncs otherwise: the long way from that table
-            attempt = sync_states(
-                metrics, group, phase="compute", label=label, timeout=self.sync_timeout, exchanged=attempt
-            )
-        set_states(self, attempt[0])
-        attrs["_is_synced"] = True
-        return True
 
     def unsync(self, should_unsync: bool = True) -> None:
         """Restore the local states saved by :meth:`sync` so that accumulation can go on; a no-op when not synced.
@@ -335,19 +296,6 @@ class _RebasedMeta(type(StockMetric)):  # type: ignore[misc]
     this process (``rebase`` caches one class per base) and to an equivalent one in a fresh process. Pickling
     instances needs nothing more: an instance pickles its class, then its state, as any module does.
     """
-
-
-# The methods a sync goes through between `sync` and the exchange: a class overriding one takes the usual way
-_SYNC_STEPS = ("_sync_dist", "_exchange", "_apply_synced", "_distributed", "_sync_phase")
-_PLAIN_SYNC: dict[type, bool] = {}
-
-
-def _plain_sync(cls: type) -> bool:
-    """Whether ``cls`` syncs through :class:`Metric`'s own steps (no override of them), kept per class."""
-    plain = _PLAIN_SYNC.get(cls)
-    if plain is None:
-        plain = _PLAIN_SYNC[cls] = all(getattr(cls, name) is getattr(Metric, name) for name in _SYNC_STEPS)
-    return plain
 
 
 def _reduce_rebased_class(cls: type) -> Any:

@@ -17,7 +17,6 @@ data set (AUROC, retrieval, ``cat`` states in general) can be computed on large 
 holding the whole set. This module calls no collective itself.
 """
 
-import functools
 import io
 import warnings
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
 from torchmetrics_varlen import _engine, _notes, _policy, _transport
-from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, state_label, sync_layout
+from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, sync_layout
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["compute_on_rank"]
@@ -140,7 +139,7 @@ def _compute_here(metric: StockMetric, layout: Layout, synced: "_engine.Synced")
     """
     try:
         names = [name for _, name in layout.keys]
-        where = functools.partial(state_label, [metric], layout)
+        where = layout.state_name
         states = dict(zip(names, reduce_results(layout, synced, where)))
         saved = {name: getattr(metric, name) for name in names}
         try:
