@@ -12,8 +12,8 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics.classification import BinaryAccuracy, MulticlassStatScores
 from torchmetrics.regression import MeanSquaredError
 
+from tests._meters import CollectiveCounter
 from torchmetrics_varlen import Metric, _cap, _policy, _protocol, _shortcut, _state_sync, _transport, rebase
-from torchmetrics_varlen.tools.demo._common import CollectiveCounter
 
 STEPS = 7
 CHANGED = (3, 4)  # steps at which the last rank syncs with another transfer cap in its environment
