@@ -44,7 +44,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict on the package."""
+    """mypy --strict on the package, the benchmarks, and the worker pool and meters they share with the tests."""
     _install(session, "-e", ".", "mypy>=1.8")
     session.run("mypy")
 
@@ -60,17 +60,17 @@ def docs(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The five field reports replayed: today's way (measured), stock, the fix, the single-process truth."""
     _install(session, ".")
-    session.run("python", "-m", "torchmetrics_varlen", "demo", *session.posargs)
+    session.run("python", "-m", "benchmarks", "demo", *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
     """Stock vs ours side by side in one run (with the skew and sync-memory cases); then the scale benchmark."""
-    _install(session, ".[bench]")
+    _install(session, ".", "matplotlib>=3.7")
     session.run(
         "python",
         "-m",
-        "torchmetrics_varlen",
+        "benchmarks",
         "bench",
         "--json",
         "bench.json",
@@ -83,7 +83,7 @@ def bench(session: nox.Session) -> None:
     session.run(
         "python",
         "-m",
-        "torchmetrics_varlen",
+        "benchmarks",
         "bench",
         "--scale",
         "--json",
@@ -142,7 +142,7 @@ def gpu(session: nox.Session) -> None:
         session.skip("no CUDA GPU visible to torch: nothing to check on NCCL (the tests run the check with --cpu)")
     session.install("-e", ".")
     if listing:
-        session.run("python", "-m", "torchmetrics_varlen.tools.gpu_check", *session.posargs)
+        session.run("python", "-m", "benchmarks.gpu_check", *session.posargs)
         return
     session.run(
         "python",
@@ -154,6 +154,6 @@ def gpu(session: nox.Session) -> None:
         "--nproc-per-node",
         str(max(2, gpus)),
         "-m",
-        "torchmetrics_varlen.tools.gpu_check",
+        "benchmarks.gpu_check",
         *session.posargs,
     )

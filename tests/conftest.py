@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from torchmetrics_varlen.tools._launch import WorkerError, WorkerPool
+from tests._workers import WorkerError, WorkerPool
 
 sys.path.insert(0, str(Path(__file__).parent))  # lets spawned workers import the test modules that hold the bodies
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import run_distributed
 
-from torchmetrics_varlen.tools.demo import report2, report4
+from benchmarks.demo import report2, report4
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ EXPECTED = {
 @pytest.mark.parametrize("report", sorted(EXPECTED))
 def test_section_at_world_size_two(report):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    args = [sys.executable, "-m", "torchmetrics_varlen", "demo", "--world-size", "2", "--report", str(report)]
+    args = [sys.executable, "-m", "benchmarks", "demo", "--world-size", "2", "--report", str(report)]
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
     out = result.stdout
     assert result.returncode == 0, f"exit {result.returncode}\n{out[-3000:]}\n{result.stderr[-3000:]}"
@@ -64,7 +64,7 @@ def test_section_two_gradient_equals_an_independent_single_process_gradient():
 
 _DESTROYS_ITS_GROUP = """
 import torch.distributed as dist
-from torchmetrics_varlen.tools.demo import run_under_torchrun
+from benchmarks.demo import run_under_torchrun
 
 assert not dist.is_initialized()
 ok = run_under_torchrun([4])

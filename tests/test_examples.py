@@ -24,7 +24,7 @@ def test_ddp_soft_f1_example_trains():
     assert "epoch soft-F1 loss over all ranks' samples" in out
 
 
-@pytest.mark.parametrize("target", [["examples/ddp_soft_f1.py", "--steps", "3"], ["-m", "torchmetrics_varlen", "demo"]])
+@pytest.mark.parametrize("target", [["examples/ddp_soft_f1.py", "--steps", "3"], ["-m", "benchmarks", "demo"]])
 def test_runs_unchanged_under_torchrun(target):
     out = _run([*TORCHRUN, *target])
     if "demo" in target:
@@ -41,7 +41,7 @@ def test_bench_quick_runs_and_reports_its_collectives(tmp_path):
     json_path, table_path, plot_path = tmp_path / "bench.json", tmp_path / "table.rst", tmp_path / "bench.png"
     args = ["--quick", "--repeats", "2", "--memory-samples", "100000", "--json", str(json_path)]
     args += ["--plot", str(plot_path), "--skew-world-size", "3", "--skew-base", "2000", "--skew-factor", "4"]
-    out = _run([sys.executable, "-m", "torchmetrics_varlen", "bench", *args, "--table", str(table_path)], timeout=300)
+    out = _run([sys.executable, "-m", "benchmarks", "bench", *args, "--table", str(table_path)], timeout=300)
     result = json.loads(json_path.read_text())
     cases = {row["case"]: row for row in result["rows"]}
     assert {"8-metric collection: sync only", "50 small metrics: sync only", "big cat state"} <= set(cases)

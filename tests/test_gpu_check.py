@@ -1,4 +1,4 @@
-"""The GPU check (``torchmetrics_varlen.tools.gpu_check``) in its CI mode: every scenario's code runs on gloo.
+"""The GPU check (``benchmarks.gpu_check``) in its CI mode: every scenario's code runs on gloo.
 
 ``--cpu`` runs every scenario under ``torchrun`` on 2 gloo CPU processes: each must print PASS, except the ones only a
 GPU can run (SKIP) and the group-after-timeout finding (NOTE where the backend cannot reuse the group). Without
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from _helpers import run_torchrun
 
-from torchmetrics_varlen.tools import gpu_check
+from benchmarks import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = ["-m", "torchmetrics_varlen.tools.gpu_check"]
+MODULE = ["-m", "benchmarks.gpu_check"]
 TIMEOUT = 180  # seconds; a healthy --cpu run takes about 35 s on 2 shared cores
 GPU_ONLY = {"mixed-devices", "device-id-no-set-device", "sync-in-cuda-stream"}  # what --cpu cannot stand in for
 FINDINGS = {"group-after-timeout"}  # PASS where the backend can reuse the group, NOTE (a finding) where it cannot

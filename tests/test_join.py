@@ -620,8 +620,8 @@ def test_a_plain_join_with_the_metrics_first_is_exact(world_size, with_model):
 
 # ------------------------------------------------------------------------- the GPU check's Join scenarios, on gloo
 def body_gpu_join_scenarios(rank, world_size):
-    from torchmetrics_varlen.tools._gpu_join_scenarios import SCENARIOS
-    from torchmetrics_varlen.tools._gpu_scenarios import Ctx
+    from benchmarks._gpu_common import Ctx
+    from benchmarks._gpu_join_scenarios import SCENARIOS
 
     control = dist.new_group(backend="gloo")  # the check's verdict group: the package never touches it
     ctx = Ctx("cpu", rank, world_size, torch.device("cpu"), control, None)

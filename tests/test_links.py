@@ -11,6 +11,7 @@ KNOWN_HOSTS = {"lightning.ai", "docs.python.org", "docs.pytorch.org"}
 def _texts():
     paths = [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.rst"))]
     paths += [ROOT / "docs" / "conf.py", *sorted((ROOT / "torchmetrics_varlen").rglob("*.py"))]
+    paths += sorted((ROOT / "benchmarks").rglob("*.py"))
     paths += sorted((ROOT / "examples").glob("*.py"))
     return {path: path.read_text() for path in paths}
 

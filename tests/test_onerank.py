@@ -208,7 +208,7 @@ class _TestPool:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_measure_sync_memory(world_size):
-    from torchmetrics_varlen.tools._memory import measure_sync_memory
+    from benchmarks._memory import measure_sync_memory
 
     report = measure_sync_memory(world_size, 400_000, dst=0, pool=_TestPool(world_size))
     values = report["all_gather"]["value"] + report["one_rank"]["value"]

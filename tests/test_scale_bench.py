@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from torchmetrics_varlen.tools.scale_plan import stock_bytes
-from torchmetrics_varlen.tools.scale_procs import case_sizes
+from benchmarks.scale_plan import stock_bytes
+from benchmarks.scale_procs import case_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def _run(args, timeout):
 def test_scale_quick_report(tmp_path):
     json_path, table_path, plot_path = tmp_path / "scale.json", tmp_path / "scale.rst", tmp_path / "scale.png"
     args = ["bench", "--scale", "--quick", "--json", str(json_path), "--table", str(table_path)]
-    out = _run([sys.executable, "-m", "torchmetrics_varlen", *args, "--plot", str(plot_path)], timeout=240)
+    out = _run([sys.executable, "-m", "benchmarks", *args, "--plot", str(plot_path)], timeout=240)
     result = json.loads(json_path.read_text())
     assert result["world_sizes"] == [2, 4]
     assert set(result) >= {"bytes", "extended", "model_checks", "planner", "latency"}
@@ -60,6 +60,6 @@ def test_scale_quick_report(tmp_path):
 
 def test_scale_flag_is_listed():
     result = subprocess.run(
-        [sys.executable, "-m", "torchmetrics_varlen", "bench", "--help"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "benchmarks", "bench", "--help"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0 and "--scale" in result.stdout and "--no-skew" in result.stdout

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from conftest import run_distributed
 
+from benchmarks import skew
+from tests._meters import ByteMeter
 from torchmetrics_varlen import _transport
-from torchmetrics_varlen.tools import skew
-from torchmetrics_varlen.tools.scale_procs import ByteMeter
 
 SIZE_CASES = {
     2: [skew.skew_sizes(2, 500, 8), [700, 700]],

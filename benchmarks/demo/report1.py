@@ -14,17 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchmetrics_varlen.tools.demo._common import (
-    NOTE,
-    OURS,
-    STOCK,
-    TODAY,
-    CollectiveCounter,
-    Method,
-    Rows,
-    Section,
-    line,
-)
+from benchmarks.demo._common import NOTE, OURS, STOCK, TODAY, Method, Rows, Section, line
+from tests._meters import CollectiveCounter
 
 N_SAMPLES = 1003
 BATCH_SIZE = 32

@@ -1,10 +1,10 @@
-"""The scale benchmark, ``python -m torchmetrics_varlen bench --scale``: what a sync costs per rank as ranks grow.
+"""The scale benchmark, ``python -m benchmarks bench --scale``: what a sync costs per rank as ranks grow.
 
 Three parts, each side by side in one run (see the "Scale" docs page for the cost model behind the figures):
 
 1. **Bytes per rank** of one sync on real gloo CPU processes (2, 4, 8 ranks), counted by wrapping the
-   ``torch.distributed`` collectives (:mod:`~torchmetrics_varlen.tools.scale_procs`), then extended to 1024 ranks
-   from the plan alone (:mod:`~torchmetrics_varlen.tools.scale_plan`), both models checked against the measurement.
+   ``torch.distributed`` collectives (:mod:`~benchmarks.scale_procs`), then extended to 1024 ranks
+   from the plan alone (:mod:`~benchmarks.scale_plan`), both models checked against the measurement.
 2. **Planning time**: ``make_plan`` + ``unpack`` over synthetic metadata tables of 8 to 1024 ranks, no processes.
 3. **Small-metric latency**: ``BinaryAccuracy`` compute() and sync, ours vs stock vs one raw all-gather of its states'
    bytes (the floor).
@@ -14,8 +14,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from torchmetrics_varlen.tools.scale_plan import extended_rows, planner_rows
-from torchmetrics_varlen.tools.scale_procs import case_names, measure_processes
+from benchmarks.scale_plan import extended_rows, planner_rows
+from benchmarks.scale_procs import case_names, measure_processes
 
 Row = dict[str, Any]
 EXTENDED_WORLDS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -190,7 +190,7 @@ def main(
     world_sizes: Sequence[int] | None = None,
     repeats: int | None = None,
 ) -> int:
-    """Entry point of ``python -m torchmetrics_varlen bench --scale``; returns the exit status.
+    """Entry point of ``python -m benchmarks bench --scale``; returns the exit status.
 
     ``quick`` uses small states, 2 and 4 ranks, few repeats and planner sizes up to 64 ranks (smoke tests).
     ``world_sizes`` replaces the measured world sizes (2, 4, 8); the latency runs on those of at most 4 ranks.

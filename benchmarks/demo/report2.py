@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric as StockMetric
 
+from benchmarks.demo._common import OURS, STOCK, TODAY, Method, Rows, Section, line
 from torchmetrics_varlen.losses import SoftF1Loss
-from torchmetrics_varlen.tools.demo._common import OURS, STOCK, TODAY, Method, Rows, Section, line
 
 TITLE = "2. Lost gradients: a metric as a DDP loss, uneven batches"
 FEATURES = 4

@@ -1,9 +1,9 @@
 """GPU-check scenarios of where a sync runs (issue 20, items 2 to 4): backend, device, autograd thread, stream.
 
-Each is a function every rank runs (see :mod:`torchmetrics_varlen.tools._gpu_scenarios` for the conventions): it
-returns a line saying what it checked, raises ``AssertionError`` when a result differs from one process's,
-:class:`~torchmetrics_varlen.tools._gpu_scenarios.SkipError` (with the reason) where this machine cannot run it.
-Each makes its own process groups, so it does not depend on what earlier scenarios left on the job's group.
+Each is a function every rank runs (see :mod:`benchmarks._gpu_scenarios` for the conventions): it returns a line
+saying what it checked, raises ``AssertionError`` when a result differs from one process's,
+:class:`~benchmarks._gpu_common.SkipError` (with the reason) where this machine cannot run it. Each makes its own
+process groups, so it does not depend on what earlier scenarios left on the job's group.
 
 What a GPU shows and gloo cannot: a rank whose states are all empty meeting its peers in the NCCL communicator of a
 ``"cpu:gloo,cuda:nccl"`` group; a group bound with ``device_id`` while the current device is 0 on every local rank;
@@ -24,9 +24,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _policy, gather_all_tensors, rebase
-from torchmetrics_varlen.losses import SoftF1Loss
-from torchmetrics_varlen.tools._gpu_scenarios import (
+from benchmarks._gpu_common import (
     Ctx,
     NoteError,
     Scenario,
@@ -37,6 +35,8 @@ from torchmetrics_varlen.tools._gpu_scenarios import (
     _SumCat,
     _update,
 )
+from torchmetrics_varlen import _policy, gather_all_tensors, rebase
+from torchmetrics_varlen.losses import SoftF1Loss
 
 __all__ = ["SCENARIOS"]
 

@@ -26,17 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks._gpu_common import Ctx, Scenario, _binary, _close, _sizes, _SumCat, _update
+from benchmarks._gpu_scenarios import _await_missing
 from torchmetrics_varlen.onerank import compute_on_rank
-from torchmetrics_varlen.tools._gpu_scenarios import (
-    Ctx,
-    Scenario,
-    _await_missing,
-    _binary,
-    _close,
-    _sizes,
-    _SumCat,
-    _update,
-)
 
 __all__ = ["SCENARIOS"]
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics.aggregation import MeanMetric
 
+from benchmarks.demo._common import NOTE, OURS, STOCK, TODAY, Method, Rows, Section, close, line
 from torchmetrics_varlen import Metric, MetricCollection
-from torchmetrics_varlen.tools.demo._common import NOTE, OURS, STOCK, TODAY, Method, Rows, Section, close, line
 
 TITLE = "4. Mean of means: per-rank means all-reduced and divided by the world size"
 

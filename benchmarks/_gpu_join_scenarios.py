@@ -16,8 +16,8 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join
 
 import torchmetrics_varlen as tv
+from benchmarks._gpu_common import Ctx, Scenario, _BatchMSE, _close
 from torchmetrics_varlen import _engine, _transport
-from torchmetrics_varlen.tools._gpu_scenarios import Ctx, Scenario, _BatchMSE, _close
 
 __all__ = ["SCENARIOS"]
 

@@ -1,12 +1,11 @@
-"""What the demo's sections share: the methods they run, how rows are measured, judged and printed."""
+"""What the demo's sections share: the methods they run, how rows are judged and printed.
+
+The collectives a row issues are counted with ``tests._meters.CollectiveCounter``.
+"""
 
 import dataclasses
 from collections.abc import Callable
 from typing import Any
-
-import torch.distributed as dist
-
-from torchmetrics_varlen import _transport
 
 Rows = dict[str, Any]  # method name -> list of per-rank results, or the text of what went wrong ("HANG: ...")
 
@@ -36,46 +35,6 @@ class Section:
 
     text: str
     ok: bool
-
-
-class CollectiveCounter:
-    """Counts ``torch.distributed`` collective calls made while active (nested calls count once).
-
-    A learnt small sync's exchange calls its group's own ``all_gather_single`` (``_transport.gather_direct``): counted
-    as the one collective it is.
-    """
-
-    NAMES = ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._originals: dict[str, Callable[..., Any]] = {}
-        self._depth = 0
-
-    def __enter__(self) -> "CollectiveCounter":
-        for name in self.NAMES:
-            if hasattr(dist, name):
-                self._originals[name] = original = getattr(dist, name)
-                setattr(dist, name, self._wrap(original))
-        self._direct = _transport.gather_direct
-        _transport.gather_direct = self._wrap(self._direct)
-        return self
-
-    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.count += self._depth == 0
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def __exit__(self, *exc: object) -> None:
-        for name, fn in self._originals.items():
-            setattr(dist, name, fn)
-        _transport.gather_direct = self._direct
 
 
 def failure_text(err: BaseException) -> str:

@@ -1,9 +1,10 @@
 """Run the key distributed scenarios on every visible GPU (NCCL), or on gloo CPU processes with ``--cpu``.
 
-Launch it through torchrun, one process per GPU (``python -m nox -s gpu`` counts the GPUs and does this)::
+Launch it from the repository root through torchrun, one process per GPU (``python -m nox -s gpu`` counts the GPUs
+and does this)::
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m torchmetrics_varlen.tools.gpu_check
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m torchmetrics_varlen.tools.gpu_check --cpu
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.gpu_check
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.gpu_check --cpu
 
 Rank 0 prints one line per scenario: ``PASS``, ``FAIL``, ``SKIP`` (this machine cannot run it) or ``NOTE`` (a finding
 about the platform, not a failure of this package), then a summary. The exit status is 0 only if no scenario failed.
@@ -20,7 +21,7 @@ Modes, chosen from what is visible:
   this mode, so the code of every scenario runs on every change.
 
 ``--list`` prints the scenarios' names and what each covers, and runs nothing (no GPU or torchrun needed:
-``python -m torchmetrics_varlen.tools.gpu_check --list``, or ``python -m nox -s gpu -- --list``). Without a GPU (and
+``python -m benchmarks.gpu_check --list``, or ``python -m nox -s gpu -- --list``). Without a GPU (and
 without ``--cpu``) it says so and exits 0. The missing-rank scenario leaves a collective pending on
 purpose, so the script ends its processes with ``os._exit`` after printing, instead of tearing the groups down.
 """
@@ -38,14 +39,14 @@ import torch
 import torch.distributed as dist
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen.tools import (
+from benchmarks import (
     _gpu_device_scenarios,
     _gpu_join_scenarios,
     _gpu_route_scenarios,
     _gpu_scenarios,
     _gpu_timeout_scenarios,
 )
-from torchmetrics_varlen.tools._gpu_scenarios import Ctx, NoteError, Scenario, SkipError
+from benchmarks._gpu_common import Ctx, NoteError, Scenario, SkipError
 
 __all__ = ["NO_GPU_MESSAGE", "SCENARIOS", "Scenario", "main"]
 
@@ -162,15 +163,15 @@ def main(argv: list[str] | None = None) -> int:
 
     With ``--list`` it prints each scenario's name and summary and returns 0 (no GPU, torchrun or group needed).
     Without a GPU and without ``--cpu`` it prints :data:`NO_GPU_MESSAGE` and returns 0 at once. Otherwise it must run
-    under torchrun with at least 2 processes; ``python -m torchmetrics_varlen.tools.gpu_check`` then ends each process
+    under torchrun with at least 2 processes; ``python -m benchmarks.gpu_check`` then ends each process
     with ``os._exit`` (the missing-rank scenario leaves a collective pending on purpose).
 
     Example:
-        >>> from torchmetrics_varlen.tools.gpu_check import SCENARIOS
+        >>> from benchmarks.gpu_check import SCENARIOS
         >>> [scenario.name for scenario in SCENARIOS][:3]
         ['uneven-empty-hook', 'uneven-empty-rebased', 'collection']
     """
-    parser = argparse.ArgumentParser(prog="python -m torchmetrics_varlen.tools.gpu_check", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__)
     parser.add_argument("--cpu", action="store_true", help="gloo and CPU tensors: the CI mode, no GPU needed")
     parser.add_argument("--watchdog", type=float, default=120.0, help="seconds before a scenario counts as hung")
     parser.add_argument("--pg-timeout", type=float, default=180.0, help="process-group timeout in seconds")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if counts["FAIL"] else 0
 
 
-_LAUNCH = "python -m torch.distributed.run --standalone --nproc-per-node 2 -m torchmetrics_varlen.tools.gpu_check"
+_LAUNCH = "python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.gpu_check"
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests._meters import CollectiveCounter
 from torchmetrics_varlen._state_sync import sync_states
-from torchmetrics_varlen.tools.demo._common import CollectiveCounter
 
 Case = dict[str, Any]
 SMALL_SYNC_REPEATS = 300
@@ -237,7 +237,7 @@ def format_table(rows: list[Case], world_size: int, repeats: int, collection_rep
 
 
 def format_memory_table(report: dict[str, Any]) -> str:
-    """Table of :func:`~torchmetrics_varlen.tools._memory.measure_sync_memory`: peak RSS growth per rank and path."""
+    """Table of :func:`~benchmarks._memory.measure_sync_memory`: peak RSS growth per rank and path."""
     mib = 1024.0 * 1024.0
     ranks = range(report["world_size"])
     state_mib = max(report["state_bytes"]) / mib
@@ -291,19 +291,19 @@ def main(
     memory_samples: int | None = None,
     skew: dict[str, Any] | None = None,
 ) -> int:
-    """Entry point of ``python -m torchmetrics_varlen bench``.
+    """Entry point of ``python -m benchmarks bench``.
 
     ``memory_samples`` (default 4M, 400k with ``quick``; 0 skips it) sizes the memory case: ``BinaryAUROC`` computed
     by all-gather and by :func:`~torchmetrics_varlen.compute_on_rank`, peak resident memory per rank. It needs at
     least 2 ranks.
 
-    ``skew``: keyword arguments of :func:`torchmetrics_varlen.tools.skew.run` (``world_size``, ``base``, ``factor``)
+    ``skew``: keyword arguments of :func:`benchmarks.skew.run` (``world_size``, ``base``, ``factor``)
     for the skew case and the memory case of ``sync()`` alone, run in their own processes after the others; ``None``
     skips both. Their tables and plots go beside ``table_path`` and ``plot_path`` (``<name>_skew``,
     ``<name>_sync_memory``), their results into the JSON under ``"large"``.
     """
-    from torchmetrics_varlen.tools._launch import WorkerPool
-    from torchmetrics_varlen.tools._memory import measure_sync_memory
+    from benchmarks._memory import measure_sync_memory
+    from tests._workers import WorkerPool
 
     small_counts = [1, 10, 50] if quick else [1, 5, 10, 25, 50]
     cat_sizes = [200_000, 150_000] if quick else [2_000_000, 1_500_000]
@@ -323,7 +323,7 @@ def main(
     print(table)
     large = None
     if skew is not None:
-        from torchmetrics_varlen.tools import skew as large_states
+        from benchmarks import skew as large_states
 
         large = large_states.run(quick, table_path=table_path, plot_path=plot_path, **skew)
     if table_path:

@@ -100,7 +100,7 @@ def _compute(metric: Any, path: str, dst: int) -> Any:
 
 def _measure_rank(rank: int, world_size: int, path: str, n_samples: int, dst: int) -> dict[str, Any]:
     """One rank: fill a BinaryAUROC with this rank's share of ``n_samples``, then measure one ``compute()``."""
-    from torchmetrics_varlen.tools.scale_procs import ByteMeter
+    from tests._meters import ByteMeter
 
     warm = _auroc(rank, world_size, 64)  # first syncs allocate lasting buffers: keep them out of the figures
     _compute(warm, "all_gather", dst)
@@ -149,7 +149,7 @@ def measure_sync_memory(
         world_size: number of gloo CPU ranks to spawn.
         n_samples: samples over all ranks.
         dst: the computing rank of the one-rank path.
-        pool: an existing :class:`~torchmetrics_varlen.tools._launch.WorkerPool` of ``world_size`` ranks (or anything
+        pool: an existing :class:`~tests._workers.WorkerPool` of ``world_size`` ranks (or anything
             with its ``run`` method) to use instead of spawning one; it is left open.
 
     Returns:
@@ -164,7 +164,7 @@ def measure_sync_memory(
     Example:
         Spawns processes, so not run as a doctest:
 
-        >>> from torchmetrics_varlen.tools._memory import measure_sync_memory
+        >>> from benchmarks._memory import measure_sync_memory
         >>> report = measure_sync_memory(world_size=2, n_samples=4_000_000)  # doctest: +SKIP
         >>> report["one_rank"]["max_non_dst_peak_rss_growth_bytes"] < report["all_gather"]["max_peak_rss_growth_bytes"]
         ... # doctest: +SKIP
@@ -178,7 +178,7 @@ def measure_sync_memory(
         raise ValueError(f"Expected `dst` to be a rank in [0, {world_size}) but got {dst!r}")
     own_pool = None
     if pool is None:
-        from torchmetrics_varlen.tools._launch import WorkerPool
+        from tests._workers import WorkerPool
 
         pool = own_pool = WorkerPool(world_size, pg_timeout=300.0, quiet=True)
     deadline = 120.0 + n_samples / 20_000
@@ -187,6 +187,11 @@ def measure_sync_memory(
     finally:
         if own_pool is not None:
             own_pool.close()
+    return _report(world_size, n_samples, dst, results)
+
+
+def _report(world_size: int, n_samples: int, dst: int, results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """What :func:`measure_sync_memory` returns, from each path's per-rank results of :func:`_measure_rank`."""
     report: dict[str, Any] = {
         "world_size": world_size,
         "n_samples": n_samples,

@@ -12,9 +12,9 @@ from torchmetrics.classification import BinaryAUROC
 from torchmetrics.functional.classification import binary_auroc
 
 import torchmetrics_varlen as tv
+from benchmarks._gpu_common import Ctx, Scenario, _close, _on
 from torchmetrics_varlen import _broadcast, _engine
 from torchmetrics_varlen.onerank import compute_on_rank
-from torchmetrics_varlen.tools._gpu_scenarios import Ctx, Scenario, _close, _on
 
 __all__ = ["SCENARIOS"]
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torchmetrics.regression import MeanSquaredError
 
+from benchmarks.demo._common import OURS, STOCK, Method, Rows, Section, close, line
 from torchmetrics_varlen import join, rebase
-from torchmetrics_varlen.tools.demo._common import OURS, STOCK, Method, Rows, Section, close, line
 
 TITLE = "3. Uneven step counts with a per-step-synced metric and a DDP model"
 

@@ -6,7 +6,7 @@ deadline on the job, after which the spawned ranks are killed), and a rank that 
 its own, so one broken method cannot take the others down. The exit status is 0 only when every "ours" row matches
 the truth or raises the error it promises.
 
-``python -m torchmetrics_varlen demo [--report N] [--world-size W]``; under ``torchrun`` the demo uses torchrun's
+``python -m benchmarks demo [--report N] [--world-size W]``; under ``torchrun`` the demo uses torchrun's
 process group and skips the methods that would hang or abort the job.
 """
 
@@ -18,8 +18,8 @@ from types import ModuleType
 
 import torch.distributed as dist
 
-from torchmetrics_varlen.tools.demo import report1, report2, report3, report4, report5
-from torchmetrics_varlen.tools.demo._common import Method, Rows, Section, failure_text
+from benchmarks.demo import report1, report2, report3, report4, report5
+from benchmarks.demo._common import Method, Rows, Section, failure_text
 
 SECTIONS: dict[int, ModuleType] = {1: report1, 2: report2, 3: report3, 4: report4, 5: report5}
 
@@ -30,7 +30,7 @@ def _ready(rank: int, world_size: int) -> int:
 
 def _run_alone(method: Method, world_size: int) -> list[object] | str:
     """A method that breaks its process group, in a pool of its own; a hang is stopped by the watchdog."""
-    from torchmetrics_varlen.tools._launch import WorkerError, WorkerPool
+    from tests._workers import WorkerError, WorkerPool
 
     # The process-group timeout outlasts the watchdog: what stops a hang is the demo, not gloo.
     with WorkerPool(world_size, pg_timeout=max(60.0, 4 * method.watchdog), quiet=True) as pool:
@@ -44,7 +44,7 @@ def _run_alone(method: Method, world_size: int) -> list[object] | str:
 
 def run_spawned(world_size: int, numbers: list[int]) -> bool:
     """Spawn gloo processes, run and print the sections; True when every "ours" row passed."""
-    from torchmetrics_varlen.tools._launch import WorkerError, WorkerPool
+    from tests._workers import WorkerError, WorkerPool
 
     ok = True
     shared = WorkerPool(world_size, pg_timeout=30.0, quiet=True)
@@ -119,7 +119,7 @@ def _show(section: Section) -> bool:
 
 
 def main(world_size: int = 4, report: int | None = None) -> int:
-    """Entry point of ``python -m torchmetrics_varlen demo``: 0 when every "ours" row matched the truth."""
+    """Entry point of ``python -m benchmarks demo``: 0 when every "ours" row matched the truth."""
     numbers = [report] if report is not None else sorted(SECTIONS)
     start = time.monotonic()
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

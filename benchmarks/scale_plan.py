@@ -167,7 +167,7 @@ def extended_rows(worlds: Sequence[int], quick: bool) -> list[Row]:
     For the cases whose states have one shape on every rank (a confusion matrix, FID-like sums, BinaryAccuracy),
     where both models are exact. The 8-metric collection's ``cat`` states differ by rank: measured only.
     """
-    from torchmetrics_varlen.tools.scale_procs import SETTLED_CASE, build_case, case_names
+    from benchmarks.scale_procs import SETTLED_CASE, build_case, case_names
 
     rows: list[Row] = []
     for name in case_names(quick)[1:]:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torchmetrics.aggregation import MeanMetric
 
+from benchmarks.demo._common import OURS, STOCK, Method, Rows, Section, close, line
 from torchmetrics_varlen import SyncTimeoutError, rebase
-from torchmetrics_varlen.tools.demo._common import OURS, STOCK, Method, Rows, Section, close, line
 
 TITLE = "5. Logging on rank 0 only: compute() inside `if rank == 0:`"
 SYNC_TIMEOUT = 3.0

@@ -11,9 +11,9 @@ One float32 ``cat`` state (``CatMetric``) of a given size on every rank, synced 
   ``compute()`` returns the sum of its samples (so that the result's broadcast is a few bytes): only rank 0 receives
   the states.
 
-Per rank and side: the bytes received (:class:`~torchmetrics_varlen.tools.scale_procs.ByteMeter`: the output buffers
+Per rank and side: the bytes received (:class:`tests._meters.ByteMeter`: the output buffers
 of every collective, and the part that came from peers), the median time of interleaved syncs, and the peak extra
-resident memory of one ``sync()`` alone (``VmHWM`` reset before it, as :mod:`~torchmetrics_varlen.tools._memory`
+resident memory of one ``sync()`` alone (``VmHWM`` reset before it, as :mod:`~benchmarks._memory`
 does; the synced state, which is the result, is part of it). The ratios compare sides measured in the same processes
 in the same run: bytes over the true total (every rank's samples once), time over the padded gather's, peak memory
 over the synced result's bytes.
@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchmetrics_varlen.tools._memory import _peak_bytes, _reset_peak, _rss_bytes, _trim
-from torchmetrics_varlen.tools.scale_procs import ByteMeter, interleaved_medians
+from benchmarks._memory import _peak_bytes, _reset_peak, _rss_bytes, _trim
+from benchmarks._timing import interleaved_medians
+from tests._meters import ByteMeter
 
 Row = dict[str, Any]
 SIDES = ("stock", "padded", "varlen", "one_rank")
@@ -168,7 +169,7 @@ def body_sides(rank: int, world_size: int, sizes: Sequence[int], repeats: int) -
 
 def measure(world_size: int, sizes: Sequence[int], repeats: int) -> Row:
     """Run :func:`body_sides` on ``world_size`` fresh gloo ranks and :func:`summarize` what they report."""
-    from torchmetrics_varlen.tools._launch import WorkerPool
+    from tests._workers import WorkerPool
 
     if len(sizes) != world_size:
         raise ValueError(f"Expected one size per rank ({world_size}) but got {len(sizes)}: {list(sizes)}")

@@ -1,12 +1,12 @@
-"""Command line: ``python -m torchmetrics_varlen demo|bench`` (also the ``torchmetrics-varlen`` script)."""
+"""Command line: ``python -m benchmarks demo|bench``, run from the repository root."""
 
 import argparse
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the demo or the benchmark."""
-    parser = argparse.ArgumentParser(prog="torchmetrics-varlen", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    """The command line: ``demo`` and ``bench`` with their flags."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="replay the five field reports: today's way, stock, ours, the truth")
     demo.add_argument("--world-size", type=int, default=4, help="gloo CPU processes to spawn (default 4)")
@@ -41,18 +41,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the scale benchmark instead: bytes per rank vs world size, planner time, small-metric latency",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the demo or the benchmark."""
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.world_size < 1:
         parser.error(f"Expected `--world-size` to be at least 1 but got {args.world_size}")
     if args.command == "demo":
-        from torchmetrics_varlen.tools.demo import main as demo_main
+        from benchmarks.demo import main as demo_main
 
         return demo_main(args.world_size, args.report)
     if args.scale:  # its own world sizes (2, 4, 8) and repeats; shares --json, --plot, --table and --quick
-        from torchmetrics_varlen.tools.scale import main as scale_main
+        from benchmarks.scale import main as scale_main
 
         return scale_main(args.json_path, args.plot_path, args.table_path, args.quick)
-    from torchmetrics_varlen.tools.bench import main as bench_main
+    from benchmarks.bench import main as bench_main
 
     if args.memory_samples is not None and args.memory_samples < 0:
         parser.error(f"Expected `--memory-samples` to be 0 or more but got {args.memory_samples}")

@@ -1,9 +1,10 @@
 """Spawn gloo CPU worker processes that can be reused for many jobs and never hang their parent.
 
-Used by the demo, the benchmark and the test-suite. Each worker joins a process group through a ``file://``
-rendezvous in a fresh temporary directory (no ports), with a process-group timeout. :meth:`WorkerPool.run` sends one
-job to every rank and waits until a deadline; if a rank fails, the others get a short grace period and then the whole
-pool is killed, because ranks left inside a collective would pair their next collective with the wrong peer.
+The test-suite's worker pool (see ``conftest.py``); the demo and the benchmarks use it too, imported from the
+repository root as ``tests._workers``. Each worker joins a process group through a ``file://`` rendezvous in a fresh
+temporary directory (no ports), with a process-group timeout. :meth:`WorkerPool.run` sends one job to every rank and
+waits until a deadline; if a rank fails, the others get a short grace period and then the whole pool is killed,
+because ranks left inside a collective would pair their next collective with the wrong peer.
 """
 
 import datetime
