@@ -17,50 +17,38 @@ from torch.distributed.algorithms.join import Join
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, Scenario, _BatchMSE, _close
-from torchmetrics_varlen import _engine, _transport
+from torchmetrics_varlen import _engine
 
 __all__ = ["SCENARIOS"]
 
 
 class _Recorder:
-    """Records what the worker threads hand to the engine, and which group carries the main thread's step syncs.
-
-    A step sync runs the engine (``_engine.run``, given ``exchanged`` where a learnt sync found a difference and goes
-    on the long way) or only the learnt exchange (``_transport.exchange_prepared``): it is recorded once either way.
-    """
+    """Records what the worker threads hand to the engine, and which group carries the main thread's step syncs."""
 
     def __init__(self) -> None:
         self.worker_tensors: list[tuple[str, str]] = []
         self.main_groups: list[Any] = []
         self._original: Callable[..., Any] = _engine.run
-        self._prepared: Callable[..., Any] = _transport.exchange_prepared
 
     def __enter__(self) -> "_Recorder":
-        original, prepared = self._original, self._prepared
+        original = self._original
 
-        def recording(entries: Any, group: Any, **kwargs: Any) -> Any:
+        def recording(request: _engine.Request) -> Any:
             if threading.current_thread() is threading.main_thread():
-                if str(kwargs.get("label", "")).endswith(".step") and kwargs.get("exchanged") is None:
-                    self.main_groups.append(group)
+                if request.label.endswith(".step"):
+                    self.main_groups.append(request.group)
             else:
-                for entry in entries:
+                for entry in request.entries:
                     for tensor in entry if isinstance(entry, list) else [entry]:
                         if isinstance(tensor, Tensor):
                             self.worker_tensors.append((type(tensor).__name__, str(tensor.device)))
-            return original(entries, group, **kwargs)
+            return original(request)
 
-        def exchanging(send: Any, table: Any, group: Any, *args: Any) -> Any:
-            if threading.current_thread() is threading.main_thread() and str(args[2]).endswith(".step"):
-                self.main_groups.append(group)  # args[2]: the sync's `what`, "sync of <label>"
-            return prepared(send, table, group, *args)
-
-        _engine.run = recording  # both are looked up at call time
-        _transport.exchange_prepared = exchanging  # type: ignore[assignment]
+        _engine.run = recording  # looked up at call time
         return self
 
     def __exit__(self, *exc: object) -> None:
         _engine.run = self._original
-        _transport.exchange_prepared = self._prepared
 
     def check_worker(self) -> None:
         found = set(self.worker_tensors)

@@ -50,31 +50,25 @@ def count_collectives(calls=None):
 
         return wrapper
 
-    from torchmetrics_varlen import _transport
-
-    direct = _transport.gather_direct  # the learnt small sync's exchange: the group's own all_gather_single
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
-    _transport.gather_direct = wrap("all_gather_single", direct)
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-        _transport.gather_direct = direct
 
 
 @contextlib.contextmanager
 def sync_labels():
     """The labels of this package's syncs while the block runs, in order: one per metadata exchange.
 
-    A sync exchanges its records once, the long way (``exchange_records``) or the learnt way (``exchange_prepared``,
-    see ``_shortcut``); ``what``, the sixth argument of both, is "sync of <label>".
+    A sync exchanges its records once (``exchange_records``); ``what``, its sixth argument, is "sync of <label>".
     """
     from torchmetrics_varlen import _transport
 
     labels: list = []
-    originals = {name: getattr(_transport, name) for name in ("exchange_records", "exchange_prepared")}
+    originals = {"exchange_records": _transport.exchange_records}
 
     def wrap(fn):
         def exchange(*args):

@@ -2,9 +2,8 @@
 
 :class:`CollectiveCounter` counts the ``torch.distributed`` collective calls made while it is active;
 :class:`ByteMeter` also counts the bytes each collective receives and the buffers it uses. Both wrap the collectives'
-Python functions (and the package's direct exchange, ``_transport.gather_direct``) for the duration of a ``with``
-block. The tests use them, and so do the demo and the benchmarks, which import them from the repository root as
-``tests._meters``.
+Python functions for the duration of a ``with`` block (the package looks them up at call time). The tests use
+them, and so do the demo and the benchmarks, which import them from the repository root as ``tests._meters``.
 """
 
 import inspect
@@ -14,17 +13,11 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _transport
-
 __all__ = ["ByteMeter", "CollectiveCounter"]
 
 
 class CollectiveCounter:
-    """Counts ``torch.distributed`` collective calls made while active (nested calls count once).
-
-    A learnt small sync's exchange calls its group's own ``all_gather_single`` (``_transport.gather_direct``): counted
-    as the one collective it is.
-    """
+    """Counts ``torch.distributed`` collective calls made while active (nested calls count once)."""
 
     NAMES = ("all_gather", "all_gather_single", "all_gather_into_tensor", "all_reduce", "barrier", "broadcast")
 
@@ -38,8 +31,6 @@ class CollectiveCounter:
             if hasattr(dist, name):
                 self._originals[name] = original = getattr(dist, name)
                 setattr(dist, name, self._wrap(original))
-        self._direct = _transport.gather_direct
-        _transport.gather_direct = self._wrap(self._direct)
         return self
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,7 +47,6 @@ class CollectiveCounter:
     def __exit__(self, *exc: object) -> None:
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
-        _transport.gather_direct = self._direct
 
 
 # Per collective: the parameter holding what it writes (received) and what it reads (sent). Lists count every item.
@@ -131,9 +121,6 @@ class ByteMeter:
             if hasattr(dist, name):
                 self._originals[name] = original = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, original, _BUFFERS[name]))
-        # A learnt small sync's exchange: the group's own all_gather_single (see _transport.gather_direct)
-        self._direct = direct = _transport.gather_direct
-        _transport.gather_direct = self._wrap("all_gather_single", direct, ("output", "local"))
         return self
 
     def _wrap(self, name: str, fn: Callable[..., Any], buffers: tuple[str | None, str | None]) -> Callable[..., Any]:
@@ -143,8 +130,6 @@ class ByteMeter:
         def measured(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:
                 bound = signature.bind_partial(*args, **kwargs).arguments
-                if "pg" in bound:  # gather_direct: its group is the group object
-                    bound = {**bound, "group": bound["pg"]}
                 out = _nbytes(bound.get(out_name)) if out_name else 0
                 sent = _nbytes(bound.get(in_name)) if in_name else 0
                 self.collectives += 1
@@ -164,7 +149,6 @@ class ByteMeter:
     def __exit__(self, *exc: object) -> None:
         for name, fn in self._originals.items():
             setattr(dist, name, fn)
-        _transport.gather_direct = self._direct
 
     def as_dict(self) -> dict[str, int]:
         """The counts, as the JSON report stores them."""
