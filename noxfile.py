@@ -123,7 +123,9 @@ def gpu(session: nox.Session) -> None:
     else is missing; nothing is installed into your own environment.
 
     One process per GPU; with one GPU, two processes sharing it (NCCL needs a GPU per rank, so they run the CUDA
-    states over gloo scenarios). No GPU: it says so and exits 0. Arguments after ``--`` go to the check;
+    states over gloo scenarios), then ``benchmarks.gpu_one_rank``, a 1-rank NCCL world in which the engine issues its
+    real NCCL calls (the one-GPU mode). Last, ``benchmarks/gpu_measure.py`` prints what a sync costs on that machine.
+    No GPU: it says so and exits 0. Arguments after ``--`` go to the check;
     ``nox -s gpu -- --list`` prints the scenarios' names, with or without a GPU.
     """
     outer = [path for path in [*site.getsitepackages(), site.getusersitepackages()] if Path(path).is_dir()]
@@ -157,3 +159,6 @@ def gpu(session: nox.Session) -> None:
         "benchmarks.gpu_check",
         *session.posargs,
     )
+    if gpus == 1:  # the one-GPU mode's other half: a 1-rank NCCL world in which the engine issues its NCCL calls
+        session.run("python", "-m", "benchmarks.gpu_one_rank")
+    session.run("python", "benchmarks/gpu_measure.py")  # what a sync costs there: time, collectives, copies, memory

@@ -109,3 +109,28 @@ def test_one_failing_rank_fails_the_scenario():
     assert combine([("FAIL", "x"), ("NOTE", "n"), ("FAIL", "y")]) == ("FAIL", "rank 0: x (ranks [0, 2])")
     assert combine([("PASS", "a"), ("NOTE", "n")]) == ("NOTE", "rank 1: n")
     assert combine([("SKIP", "gpu"), ("SKIP", "gpu")]) == ("SKIP", "gpu")
+
+
+def test_the_one_rank_half_runs_on_gloo_cpu(tmp_path):
+    # One process, a 1-rank world forced to sync: the code of every scenario of the one-GPU mode's NCCL half.
+    import subprocess
+    import sys
+
+    env = {"PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path), "MASTER_PORT": "0", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_one_rank", "--cpu"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    verdicts = _verdicts(done.stdout)
+    from benchmarks import gpu_one_rank
+
+    assert list(verdicts) == list(gpu_one_rank.SCENARIOS), done.stdout
+    cuda_only = {"side-stream", "autograd-thread", "memory-after-compute", "blocking-wait-group"}
+    for name, (status, detail) in verdicts.items():
+        assert status == ("SKIP" if name in cuda_only else "PASS"), (name, status, detail)
+    assert "123 s read from the gloo backend's options" in verdicts["group-timeout"][1]
