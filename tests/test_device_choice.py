@@ -16,7 +16,7 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAUROC
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _engine, _policy, _transport, compute_on_rank, gather_all_tensors
+from torchmetrics_varlen import _engine, _policy, _waits, compute_on_rank, gather_all_tensors
 from torchmetrics_varlen._buffers import Joined
 
 DEADLINE = 60.0
@@ -147,15 +147,15 @@ def body_backward_wait(rank, world_size, forced):
         modes.append("block")
         return first_original(work, first)
 
-    original, first_original = _transport.wait_for, _transport.wait_first
-    _transport.wait_for, _transport.wait_first = record, record_first
+    original, first_original = _waits.wait_for, _waits.wait_first
+    _waits.wait_for, _waits.wait_first = record, record_first
     try:
         with _policy.forced(grad_wait=forced) if forced else contextlib.nullcontext():
             loss = 0.5 * (torch.cat(gather_all_tensors(x, sync_grads=True)) ** 2).sum()
             forward = len(modes)
             loss.backward()
     finally:
-        _transport.wait_for, _transport.wait_first = original, first_original
+        _waits.wait_for, _waits.wait_first = original, first_original
     return {"forward": modes[:forward], "backward": modes[forward:], "grad": x.grad, "x": x.detach()}
 
 

@@ -5,8 +5,9 @@ import threading
 import pytest
 import torch
 
-from torchmetrics_varlen import _policy, _transport
-from torchmetrics_varlen._policy import Facts, PeerFailedError, buffer_device, decide, wait_for, wait_mode
+from torchmetrics_varlen import _policy, _waits
+from torchmetrics_varlen._policy import Facts, buffer_device, decide, wait_mode
+from torchmetrics_varlen._waits import PeerFailedError, wait_for
 
 CPU, CUDA0, CUDA1, CUDA2 = (torch.device("cpu"), *(torch.device("cuda", i) for i in range(3)))
 TWO = "cpu:gloo,cuda:nccl"
@@ -286,20 +287,20 @@ def test_reduce_mode_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("wait", ["block", "poll"])
 def test_the_default_timeout_is_the_group_timeout_less_a_margin(wait):
     # NCCL's default group timeout is 10 minutes: our error must come before its watchdog ends the process.
-    limits = _transport.limits_for(None, 600.0, wait)
+    limits = _waits.limits_for(None, 600.0, wait)
     assert limits.from_group and limits.ours == limits.bound == 590.0
-    assert _transport.limits_for(None, 4.0, wait).ours == 3.5  # a short group keeps at least half a second
+    assert _waits.limits_for(None, 4.0, wait).ours == 3.5  # a short group keeps at least half a second
 
 
 @pytest.mark.parametrize("wait", ["block", "poll"])
 def test_a_sync_timeout_longer_than_the_group_timeout_is_capped(wait):
-    assert _transport.limits_for(900.0, 600.0, wait).ours == 590.0
-    shorter = _transport.limits_for(3.0, 600.0, wait)
+    assert _waits.limits_for(900.0, 600.0, wait).ours == 590.0
+    shorter = _waits.limits_for(3.0, 600.0, wait)
     assert shorter.ours == 3.0 and not shorter.from_group and shorter.bound == 590.0  # busy peers: up to the bound
 
 
 def test_no_timer_of_ours_is_bounded_by_the_group_where_we_poll():
     # sync_timeout=0: gloo's own timed wait ends it; polling (NCCL, also with TORCH_NCCL_BLOCKING_WAIT=1, where no
     # watchdog ends the process) would never end without the group's timeout as the bound.
-    assert _transport.limits_for(0.0, 600.0, "block").ours is None
-    assert _transport.limits_for(0.0, 600.0, "poll").ours == 600.0
+    assert _waits.limits_for(0.0, 600.0, "block").ours is None
+    assert _waits.limits_for(0.0, 600.0, "poll").ours == 600.0

@@ -21,9 +21,10 @@ from torchmetrics_varlen import (
     SyncPeerError,
     SyncTimeoutError,
     _exit_grace,
-    _notes,
     _policy,
+    _presence,
     _transport,
+    _waits,
     join,
     rebase,
 )
@@ -61,7 +62,7 @@ def _timeouts(rank, world_size, absent):
     # A slow sync first: the absent rank waits there long enough to note it in the store. Once that sync completes,
     # the note must not make the absent rank look "waiting at sync #1" when the next sync times out.
     if rank != absent:
-        time.sleep(_transport.NOTE_AFTER + 0.5)
+        time.sleep(_waits.NOTE_AFTER + 0.5)
     metric.compute()
     metric.update(torch.ones(3))
     missing = None
@@ -132,16 +133,16 @@ def test_different_metrics_raise_mismatch_on_every_rank(world_size):
 
 def body_store_notes(rank, world_size):
     """The private store access works, and a quick sync never touches the store."""
-    reachable = _notes.store() is not None
+    reachable = _presence.store() is not None
     calls = []
-    original = _notes.store
-    _notes.store = lambda: calls.append(1) or original()
+    original = _presence.store
+    _presence.store = lambda: calls.append(1) or original()
     try:
         metric = Total(sync_timeout=30)
         metric.update(torch.ones(2))
         value = metric.compute().item()
     finally:
-        _notes.store = original
+        _presence.store = original
     return {"reachable": reachable, "store_calls": len(calls), "value": value}
 
 
@@ -195,7 +196,7 @@ def test_foreign_peer_is_named_without_a_second_exchange(world_size):
 def body_group_timeouts(rank, world_size):
     """The timeout a group was created with is read from it (torch keeps it in the backend's options: private)."""
     short = dist.new_group(timeout=datetime.timedelta(seconds=7))
-    return {"world": _transport.group_timeout(None, "cpu"), "short": _transport.group_timeout(short, "cpu")}
+    return {"world": _waits.group_timeout(None, "cpu"), "short": _waits.group_timeout(short, "cpu")}
 
 
 def test_the_group_timeout_is_read_from_the_group():

@@ -47,7 +47,7 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   Nothing here aborts a communicator because a rank is late: no timed wait ever runs on NCCL, and our timer only
   stops waiting. Once the backend itself failed a work (its own group timeout, a crashed peer), the untimed ``wait()``
   runs the backend's error handling, which on NCCL may abort the communicator and end the process (the watchdog
-  does so at the group's timeout anyway); that is why our timeout is capped below the group's (see ``_transport``).
+  does so at the group's timeout anyway); that is why our timeout is capped below the group's (see ``_waits``).
   A sleep asks the OS for tens of microseconds and gets 100-200 on a busy machine, which is why gloo blocks instead of
   sleeping.
 * **Data path.** The padded equal-size gather (``all_gather_into_tensor``) on every backend, ``all_reduce`` for the
@@ -59,18 +59,17 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   code on every backend (plain ``broadcast`` of a contiguous slice, which NCCL supports on CUDA tensors). NCCL's list
   ``all_gather`` with unequal sizes is not used: it could not be run where this package is tested.
 
-Tests force a policy on gloo with :func:`forced`, and call :func:`decide`, :func:`buffer_device` and :func:`wait_for`
-directly with made-up facts, backends and work objects.
+The waiting itself (the two ways, their constants, the timeouts) is :mod:`torchmetrics_varlen._waits`'s: this module
+only decides which way a sync waits (:func:`wait_mode`). Tests force a policy on gloo with :func:`forced`, and call
+:func:`decide` and :func:`buffer_device` directly with made-up facts and backends.
 """
 
 import contextlib
-import datetime
 import functools
 import os
 import threading
-import time
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -81,17 +80,6 @@ from torchmetrics_varlen import _caches
 
 REDUCE_ENV = "TORCHMETRICS_VARLEN_REDUCE"
 REDUCE_MODES = ("auto", "never", "always")
-# Polling checks without sleeping first (100-200 us): a small collective completes within them, and a rank that
-# neither sleeps nor polls slowly is not woken up late by the OS. Not for "block": gloo runs the collective on a
-# thread of its own in this process, which a spinning caller takes CPU from (two ranks on two cores: a small
-# metric's sync went from 0.58 to 0.54 ms without them), and its blocking wait wakes the moment the work completes.
-SPIN_CHECKS = 500
-# Polling: the first checks come quickly (a sync among ready ranks completes in well under a millisecond), then the
-# interval grows, so a rank waiting for a late peer costs almost no CPU.
-POLL_FIRST = 20e-6
-POLL_GROWTH = 1.5
-POLL_MAX = 2e-3
-MIN_SLICE = 1e-3  # seconds: the shortest timed wait; c10d takes whole milliseconds, and reads 0 as "no timeout"
 # The broadcast route's threshold (module docstring, "Data path"): measured on gloo; NCCL's is not measured.
 BROADCAST_MIN_BYTES = {"gloo": 128 * 2**10, "nccl": 4 * 2**20}
 
@@ -104,7 +92,7 @@ class TransportPolicy:
         backend: the group's backend name, lower case.
         device: where the exchange buffers live.
         reduce: "auto" (the plan's cost model), "never" or "always" (every eligible state all-reduced).
-        wait: how the collectives are waited for: "block" or "poll" (see :func:`wait_for`).
+        wait: how the collectives are waited for: "block" or "poll" (see ``_waits.wait_for``).
         grad_device: where the outputs of a differentiable sync live (None: ``device``); see the module docstring.
         grad_wait: how the backward all-reduce is waited for: "stream" on NCCL, else as ``wait``.
         broadcast_min: the bytes of its largest rank from which a state moves by per-rank broadcasts.
@@ -307,98 +295,6 @@ def forced(**fields: Any) -> Generator[TransportPolicy, None, None]:
         yield policy
     finally:
         _FORCED.policy = previous
-
-
-class PeerFailedError(RuntimeError):
-    """A collective failed (a peer crashed or closed its connection); carries the backend's error as the cause."""
-
-
-def wait_for(
-    work: Any,
-    timeout: float | None,
-    on_slow: Callable[[], None] | None = None,
-    slow_after: float = 1.0,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-    mode: str = "poll",
-) -> bool:
-    """Wait for ``work``; False when ``timeout`` seconds passed first (the work stays pending).
-
-    ``mode`` is "block" (a timed ``work.wait``, only where it has no side effects: gloo), "poll" (``is_completed``
-    checks, then an untimed ``work.wait``) or "stream" (an untimed ``work.wait`` at once: NCCL inside backward).
-    ``on_slow`` runs once after ``slow_after`` seconds of waiting. A work that completed with an error raises
-    :class:`PeerFailedError` from the backend's error.
-    """
-    if mode == "stream":  # stream-ordered on NCCL: neither polls nor blocks the calling (autograd) thread
-        _wait_completed(work)
-        return True
-    if mode == "block":
-        return _wait_blocking(work, timeout, on_slow, slow_after, clock)
-    for _ in range(SPIN_CHECKS):
-        if work.is_completed():
-            _wait_completed(work)  # on NCCL it orders the current stream after the collective
-            return True
-    start = clock()
-    interval = POLL_FIRST
-    slow_called = on_slow is None
-    while not work.is_completed():
-        waited = clock() - start
-        if timeout is not None and waited >= timeout:
-            return False
-        if not slow_called and waited >= slow_after:
-            slow_called = True
-            on_slow()  # type: ignore[misc]
-        sleep(interval if timeout is None else min(interval, max(timeout - waited, 0.0)))
-        interval = min(interval * POLL_GROWTH, POLL_MAX)
-    _wait_completed(work)
-    return True
-
-
-def wait_first(work: Any, first: datetime.timedelta) -> bool:
-    """The "block" way's first slice on its own: whether ``work`` completed within ``first``.
-
-    False when the slice expired (the work is untouched) or the work failed: :func:`wait_for` then tells which. A
-    small collective is done within it, and a sync pays for every call around its wait (see ``_transport._finish``).
-    """
-    try:
-        work.wait(first)
-        return True
-    except RuntimeError:
-        return False
-
-
-def _wait_completed(work: Any) -> None:
-    """``work.wait()`` on a completed work: returns at once, or raises the backend's error as PeerFailedError."""
-    try:
-        work.wait()
-    except RuntimeError as err:
-        raise PeerFailedError(str(err)) from err
-
-
-def _wait_blocking(
-    work: Any, timeout: float | None, on_slow: Callable[[], None] | None, slow_after: float, clock: Callable[[], float]
-) -> bool:
-    start = clock()
-    while True:
-        waited = clock() - start
-        if timeout is not None and waited >= timeout:
-            return False
-        if on_slow is not None and waited >= slow_after:
-            on_slow()
-            on_slow = None
-        limits = [timeout - waited] if timeout is not None else []
-        limits += [slow_after - waited] if on_slow is not None else []
-        try:
-            if limits:
-                work.wait(datetime.timedelta(seconds=max(min(limits), MIN_SLICE)))
-            else:
-                work.wait()
-            return True
-        except RuntimeError:
-            if work.is_completed():  # it failed (a peer), or completed just after the slice expired
-                _wait_completed(work)
-                return True
-            # The slice expired ("Operation timed out!"): the work is untouched and still pending.
 
 
 _caches.register("_policy._decide: a policy depends on its facts only, and every sync asks", _decide.cache_clear)

@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _engine, _protocol, _transport
+from torchmetrics_varlen import _engine, _protocol, _transport, _waits
 from torchmetrics_varlen._buffers import Stacked
 from torchmetrics_varlen.errors import SyncTimeoutError
 
@@ -97,7 +97,7 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
             group,
             _GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
             "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
-            _transport.default_timeout(),
+            _waits.default_timeout(),
             # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
             flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
             grad="always",

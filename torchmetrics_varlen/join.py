@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from torchmetrics_varlen import _exit_grace, _join_shadow, _notes, _policy
+from torchmetrics_varlen import _exit_grace, _join_shadow, _policy, _presence
 from torchmetrics_varlen._join_shadow import JoinShadowError
 from torchmetrics_varlen._state_sync import StateDict
 
@@ -436,7 +436,7 @@ class _MetricJoin:
         self._join: Join | None = None
         self._group: _JoinedGroup | None = None
         # While inside, this rank is alive and runs its steps: a joined rank's shadow waiting for its next step sync
-        # (a rank-0 checkpoint save between steps) keeps waiting past `sync_timeout` (see _notes).
+        # (a rank-0 checkpoint save between steps) keeps waiting past `sync_timeout` (see _presence).
         self._busy = contextlib.ExitStack()
 
     def __enter__(self) -> "_MetricJoin":
@@ -450,7 +450,7 @@ class _MetricJoin:
             )
         self._group = _JoinedGroup(self.model, self.metrics)
         try:
-            self._busy.enter_context(_notes.busy("it runs its steps inside `join`"))
+            self._busy.enter_context(_presence.busy("it runs its steps inside `join`"))
             self._join = Join([self._group], **self.join_kwargs)
         except BaseException:
             self._leave()

@@ -16,7 +16,7 @@ from torchmetrics.utilities import distributed as _tm_distributed
 from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
 
-from torchmetrics_varlen import _transport
+from torchmetrics_varlen import _transport, _waits
 from torchmetrics_varlen._cap import parse_cap
 from torchmetrics_varlen._state_sync import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
@@ -38,7 +38,7 @@ def resolve_timeout(sync_timeout: float | None) -> float | None:
     0 or less becomes 0.0: no timer of ours (the backend's own timeout ends the wait; see "Where it runs").
     """
     if sync_timeout is None:
-        return _transport.default_timeout()
+        return _waits.default_timeout()
     if isinstance(sync_timeout, bool) or not isinstance(sync_timeout, (int, float)):
         raise ValueError(f"Expected `sync_timeout` to be a number of seconds or None but got {sync_timeout!r}")
     return float(sync_timeout) if sync_timeout > 0 else 0.0

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _engine, _notes, _policy, _transport
+from torchmetrics_varlen import _engine, _policy, _presence, _transport, _waits
 from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, sync_layout
 from torchmetrics_varlen.metric import Metric
 
@@ -113,13 +113,13 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     # dst is part of what is synced: ranks that disagree on it raise SyncMismatchError instead of pairing wrongly.
     phase = f"onerank{dst}." + ("compute" if metric._should_unsync else "step")
     label = f"{type(metric).__name__}.{phase}"
-    timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _transport.default_timeout()
+    timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _waits.default_timeout()
     layout = sync_layout([metric], phase)
     synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
     assert synced is not None  # no `stop` given
     outcome = None
     if rank == dst:  # the others wait at the broadcast meanwhile: tell them this rank is alive and busy, not missing
-        with _notes.busy(f"it computes {label} (`compute_on_rank`)"):
+        with _presence.busy(f"it computes {label} (`compute_on_rank`)"):
             outcome = _compute_here(metric, layout, synced)
     # The broadcast's backend and device come from the metric's device, like the gather's: never from the states
     # (a rank whose list states are empty would pick another backend of a "cpu:gloo,cuda:nccl" group).

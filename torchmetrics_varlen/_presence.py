@@ -1,7 +1,9 @@
-"""Who is where: the notes each process leaves in the store every process group has (the rendezvous store).
+"""Presence: where each rank waits, whether it exited, whether it is busy, noted in the rendezvous store.
 
-A sync that times out or fails must say why, and a rank that is merely busy must not be taken for a missing one. The
-collectives cannot tell; these notes can. Three kinds, one key each per global rank:
+Every process group has a store (the rendezvous store). A sync that times out or fails must say why, and a rank that
+is merely busy must not be taken for a missing one. The collectives cannot tell; the notes each process leaves in the
+store can, read by the waiting ranks (``_waits``) once their timeout expired. Three kinds, one key each per global
+rank, plus a heartbeat counter:
 
 * **waiting** ``"<group>|<sync number>|<what>"``: written by a rank that has waited ``NOTE_AFTER`` seconds at a
   collective of a sync, cleared when it completes. Syncs are numbered per process group on each rank, so ranks that
