@@ -115,6 +115,45 @@ def _dense_reduce(device: torch.device, mode: str) -> str:
     return f"sum, count, max and min states on {got.device}, reduce mode {mode!r}: exact"
 
 
+def _small_sync(device: torch.device) -> str:
+    """A small metric's states ride in the record on the device: one collective, exact."""
+    from torchmetrics.classification import BinaryAccuracy
+
+    preds, target = torch.rand(50, device=device), torch.randint(0, 2, (50,), device=device)
+    metric = tv.rebase(BinaryAccuracy)().to(device)
+    metric.update(preds, target)
+    calls: list[str] = []
+    names = (
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_gather",
+        "all_reduce",
+        "broadcast",
+        "all_to_all_single",
+    )
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        got = metric.compute()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    expected = ((preds > 0.5).long() == target).float().mean()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if len(calls) != 1:
+        raise AssertionError(f"a small sync of {got.device} states issued {calls}: expected one all-gather")
+    return f"rebase(BinaryAccuracy) on {got.device}: one collective ({calls[0]}), exact"
+
+
 def _routes(device: torch.device) -> str:
     """A big cat state (the broadcast route, chunked by a 1 MiB cap), the hook, and compute_on_rank."""
     x = torch.rand(3_000_000, device=device)
@@ -188,9 +227,9 @@ def _memory_after_compute(device: torch.device) -> str:
 
 
 def _group_timeout(device: torch.device) -> str:
-    from torchmetrics_varlen import _transport
+    from torchmetrics_varlen import _waits
 
-    seconds = _transport.group_timeout(None, device.type)
+    seconds = _waits.group_timeout(None, device.type)
     if seconds != GROUP_TIMEOUT:
         raise AssertionError(f"read {seconds} s from the group's options, made with {GROUP_TIMEOUT:g} s")
     return f"{seconds:g} s read from the {dist.get_backend()} backend's options"
@@ -215,6 +254,7 @@ SCENARIOS: dict[str, Callable[[torch.device], str]] = {
     "group-timeout": _group_timeout,
     "dense-reduce-auto": lambda device: _dense_reduce(device, "auto"),
     "dense-reduce-always": lambda device: _dense_reduce(device, "always"),
+    "small-sync": _small_sync,
     "routes": _routes,
     "side-stream": _side_stream,
     "autograd-thread": _autograd_thread,

@@ -31,7 +31,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _broadcast, _buffers, _cap, _plan, _policy, _protocol, _repeat, _transport
+from torchmetrics_varlen import (
+    _broadcast,
+    _buffers,
+    _cap,
+    _device_record,
+    _plan,
+    _policy,
+    _protocol,
+    _repeat,
+    _transport,
+)
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry, Ref
@@ -138,7 +148,12 @@ def run(request: Request) -> Synced | None:
     inline = request.dst is None and not flags & _protocol.FLAG_DIFF
     cap = request.cap if request.cap is not None else _cap.resolve_cap()
     what = f"sync of {request.label}"
-    record = _protocol.describe(request.entries, request.context, request.label, flags, request.aux, inline, cap)
+    on_device = inline and _device_record.eligible(request.entries, policy.device)  # small states on the GPU
+    record = _protocol.describe(
+        request.entries, request.context, request.label, flags, request.aux, inline and not on_device, cap
+    )
+    if on_device:
+        record = _device_record.attach(record, request.entries)
     table = _transport.exchange_records(record, request.group, policy.device, policy.wait, request.timeout, what)
     if request.stop is not None and request.stop(table):
         return None
@@ -147,7 +162,7 @@ def run(request: Request) -> Synced | None:
     # The one fast path (see _repeat): a small inline sync whose table has the learnt headers and slots. The cap
     # travels in the header and the broadcast threshold shapes the plan: the key holds the rest of what is learnt.
     key = (request.context, request.label, flags, cap, policy.broadcast_min)
-    learnable = plan_is_learnable(record, request.stop)
+    learnable = plan_is_learnable(record, request.stop)  # a host record: the learnt cuts read the host table
     template = _repeat.lookup(key) if learnable else None
     if template is not None:  # every rank sees the same table, so every rank takes the same branch
         learnt = _repeat.results(template, words, described, request.ops, request.cat, request.grad)
@@ -162,7 +177,7 @@ def run(request: Request) -> Synced | None:
     if plan.inline:  # the data came with the records: cut it out of the table
         if learnable:
             _repeat.learn(key, record, request.ops, request.cat, request.grad, words, described, plan)
-        return Synced(plan, _buffers.unpack_inline(table, described, plan), rank)
+        return Synced(plan, _inline_results(record, table, described, plan, policy.device), rank)
     return Synced(plan, _data_step(request, plan, rank, policy, local, what), rank)
 
 
@@ -184,8 +199,20 @@ def _data_step(
 
 
 def plan_is_learnable(record: Sequence[int], stop: Callable[[Tensor], bool] | None) -> bool:
-    """Whether the plan of a sync that sent ``record`` may be learnt: its data rode in the records, and no ``stop``."""
-    return stop is None and bool(record[_protocol.H_FLAGS] & _protocol.FLAG_INLINE)
+    """Whether the plan of a sync that sent ``record`` may be learnt: its data rode in host records, and no ``stop``."""
+    on_host = not isinstance(record, _device_record.DeviceRecord)
+    return stop is None and on_host and bool(record[_protocol.H_FLAGS] & _protocol.FLAG_INLINE)
+
+
+def _inline_results(
+    record: Sequence[int], table: Tensor, meta_words: int, plan: Plan, device: torch.device
+) -> list[Result | None]:
+    """The results of a sync whose data rode in the records: from the table where this rank's record was sent."""
+    received = record.received if isinstance(record, _device_record.DeviceRecord) else None
+    if received is None:
+        return _buffers.unpack_inline(table, meta_words, plan)
+    rows = received[:, meta_words:].view(torch.uint8)  # on the device: no copy back to it
+    return _buffers.unpack(rows, plan, [device] * len(plan.entries))
 
 
 def _host_grad_flag(entries: Sequence[LocalEntry], device: torch.device | None) -> int:

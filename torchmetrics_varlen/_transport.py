@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _caches, _plan, _presence, _protocol, _waits
+from torchmetrics_varlen import _caches, _device_record, _plan, _presence, _protocol, _waits
 from torchmetrics_varlen.errors import SyncMemoryError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -185,14 +185,18 @@ def _exchange_at(
     timeout: float | None,
     what: str,
 ) -> Tensor:
-    padded = array.array("q", record[:words])
-    padded.frombytes(bytes(8 * (words - len(padded))))
-    local = torch.frombuffer(padded, dtype=torch.int64)  # no copy
-    local = local if device.type == "cpu" else local.to(device)
+    local = _device_record.local_record(record, words, device)  # data already on the device rides there
+    if local is None:
+        padded = array.array("q", record[:words])
+        padded.frombytes(bytes(8 * (words - len(padded))))
+        local = torch.frombuffer(padded, dtype=torch.int64)  # no copy
+        local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
     _wait(_gather_equal(table, local, group), group, wait, timeout, what, device.type)
     table = table.view(world_size, words)
+    if isinstance(record, _device_record.DeviceRecord):
+        record.received = table  # its results are cut out of the table where it arrived
     return table if device.type == "cpu" else table.cpu()
 
 
