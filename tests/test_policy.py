@@ -304,3 +304,17 @@ def test_no_timer_of_ours_is_bounded_by_the_group_where_we_poll():
     # watchdog ends the process) would never end without the group's timeout as the bound.
     assert _waits.limits_for(0.0, 600.0, "block").ours is None
     assert _waits.limits_for(0.0, 600.0, "poll").ours == 600.0
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "grouped"),
+    [
+        ("nccl", CUDA1, True),
+        ("cpu:gloo,cuda:nccl", CUDA1, True),
+        ("gloo", CPU, False),
+        ("cpu:gloo,cuda:nccl", CPU, False),
+    ],
+)
+def test_broadcast_rounds_are_grouped_on_nccl_only(backend, device, grouped):
+    # NCCL runs a list all_gather of unequal sizes as one group of broadcasts; gloo's takes equal sizes only.
+    assert decide(Facts(backend, device, current_cuda=0)).grouped_broadcasts is grouped

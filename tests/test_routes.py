@@ -33,6 +33,7 @@ def _traffic():
     """Per collective name: (calls, bytes this rank receives into), while the block runs."""
     seen = {}
     names = ("all_gather_into_tensor", "all_gather_single", "broadcast", "all_reduce", "gather", "all_to_all_single")
+    names += ("all_gather",)
     originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def wrap(name, fn):
@@ -41,7 +42,12 @@ def _traffic():
             calls, nbytes = seen.get(name, (0, 0))
             src = kwargs.get("src")
             own = name == "broadcast" and src == dist.get_rank()  # a broadcast's source receives nothing
-            seen[name] = (calls + 1, nbytes + (0 if own else out.numel() * out.element_size()))
+            size = (
+                sum(t.numel() * t.element_size() for t in out)
+                if isinstance(out, list)
+                else out.numel() * out.element_size()
+            )
+            seen[name] = (calls + 1, nbytes + (0 if own else size))
             return fn(*args, **kwargs)
 
         return wrapper
@@ -470,3 +476,45 @@ def test_a_plan_takes_the_smallest_cap_of_the_ranks():
     table = torch.tensor([records[0], _protocol.describe([b], 7, "caps", cap=4096)])
     assert _plan.make_plan(table, "test", broadcast_min=1).cap == 4096
     del records
+
+
+# ------------------------------------------------------------------- grouped broadcasts (NCCL's; issue 34 item 7)
+def body_grouped(rank, world_size, per_rank, cap):
+    """Equal sections on every rank (gloo's list all_gather takes equal sizes only), the grouped path forced."""
+    from torchmetrics_varlen import _policy
+
+    total = per_rank * world_size
+    values = tv.rebase(CatMetric)(sync_cap=cap)
+    values.update(_data(total)[0][rank * per_rank : (rank + 1) * per_rank])
+    with _policy.forced(broadcast_min=1024, grouped_broadcasts=True), _traffic() as seen:
+        got = values.compute()
+    return got, seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grouped_broadcast_rounds_are_exact_in_one_collective_a_round(world_size):
+    per_rank, cap = 3_000, 4096  # 12,000 bytes a rank: 3 rounds of one chunk per rank
+    for got, seen in run_distributed(body_grouped, world_size, per_rank, cap):
+        assert torch.equal(got, _data(per_rank * world_size)[0])
+        assert "broadcast" not in seen, seen
+        assert seen["all_gather"][0] == -(-per_rank * 4 // cap), seen  # one list all-gather per round
+
+
+def test_rounds_hold_the_sections_grouped_by_chunk():
+    # Uneven sections, an empty rank, chunks of 3 elements: every section of `sections` is in one round, in order.
+    from types import SimpleNamespace
+
+    eplan = SimpleNamespace(dtype=torch.float32, numels=torch.tensor([7, 0, 2]))  # what rounds() reads of a plan
+    plan = SimpleNamespace(world_size=3, entries=[eplan], broadcast=[0], cap=12)
+    result = torch.arange(9, dtype=torch.float32)
+    own = torch.arange(7, 9, dtype=torch.float32)  # rank 2's data
+    rounds = _broadcast.rounds(plan, {0: result}, {0: own}, 2)
+    assert [[part.tolist() for part in round_] for round_ in rounds] == [
+        [[0.0, 1.0, 2.0], [], [7.0, 8.0]],
+        [[3.0, 4.0, 5.0], [], []],
+        [[6.0], [], []],
+    ]
+    assert rounds[0][2].data_ptr() == own.data_ptr()  # this rank's own chunk is its source
+    flat = [part for round_ in rounds for part in round_ if part.numel()]
+    expected = [part for _, part in _broadcast.sections(plan, {0: result}, {0: own}, 2)]
+    assert sorted(p.tolist() for p in flat) == sorted(p.tolist() for p in expected)

@@ -106,6 +106,30 @@ def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor],
     return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if part is not None]
 
 
+def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[list[Tensor]]:
+    """The broadcast route grouped: per routed entry and chunk, one tensor per rank, in the order every rank issues.
+
+    Round ``k`` of an entry holds every rank's ``k``-th chunk of its section (this rank's own: its source), an empty
+    tensor where a rank has fewer chunks or no data: one list ``all_gather`` moves a round (NCCL runs it as one group
+    of broadcasts). The same sections as :func:`sections`, in rounds.
+    """
+    out: list[list[Tensor]] = []
+    for index in plan.broadcast:
+        eplan = plan.entries[index]
+        assert eplan.dtype is not None
+        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
+        per_rank: list[tuple[Tensor, ...]] = []
+        start = 0
+        for src, count in enumerate(eplan.numels.tolist()):
+            section = sources[index] if src == rank and count else buffers[index][start : start + count]
+            per_rank.append(torch.split(section, chunk) if count else ())
+            start += count
+        empty = buffers[index][:0]
+        for k in range(max((len(parts) for parts in per_rank), default=0)):
+            out.append([parts[k] if k < len(parts) else empty for parts in per_rank])
+    return out
+
+
 def to_rank(
     plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int, dst: int
 ) -> list[tuple[int, Tensor | None]]:

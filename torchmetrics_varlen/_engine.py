@@ -277,7 +277,10 @@ class _Step:
                 rows = _transport.gather_to_rank(buffer, self.dst, self.group, wait, self.timeout, self.what, output)
         if plan.broadcast:
             meanwhile = functools.partial(_broadcast.copy_later, later)  # this rank's copy, while the data moves
-            if self.dst is None:
+            if self.dst is None and self.policy.grouped_broadcasts:  # NCCL: a round of broadcasts in one group
+                rounds = _broadcast.rounds(plan, received, sources, self.rank)
+                _transport.gather_rounds(rounds, self.rank, self.group, wait, self.timeout, self.what, meanwhile)
+            elif self.dst is None:
                 sections = _broadcast.sections(plan, received, sources, self.rank)
                 _transport.broadcast_all(sections, self.group, wait, self.timeout, self.what, meanwhile)
             else:

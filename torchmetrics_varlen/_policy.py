@@ -96,6 +96,9 @@ class TransportPolicy:
         grad_device: where the outputs of a differentiable sync live (None: ``device``); see the module docstring.
         grad_wait: how the backward all-reduce is waited for: "stream" on NCCL, else as ``wait``.
         broadcast_min: the bytes of its largest rank from which a state moves by per-rank broadcasts.
+        grouped_broadcasts: issue each round of the broadcast route (every rank's chunk of one state) as one list
+            ``all_gather``, which NCCL runs as one group of broadcasts; else one ``broadcast`` per rank and chunk
+            (gloo's list ``all_gather`` takes equal sizes only).
     """
 
     backend: str
@@ -105,6 +108,7 @@ class TransportPolicy:
     grad_device: torch.device | None = None
     grad_wait: str | None = None
     broadcast_min: int = BROADCAST_MIN_BYTES["gloo"]
+    grouped_broadcasts: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,14 @@ def decide(facts: Facts) -> TransportPolicy:
     wait = wait_mode(facts.backend, device.type)
     broadcast_min = BROADCAST_MIN_BYTES.get(serving, BROADCAST_MIN_BYTES["gloo"])
     return TransportPolicy(
-        facts.backend, device, reduce_mode(facts.reduce), wait, grad_device, "stream" if nccl else wait, broadcast_min
+        facts.backend,
+        device,
+        reduce_mode(facts.reduce),
+        wait,
+        grad_device,
+        "stream" if nccl else wait,
+        broadcast_min,
+        grouped_broadcasts=nccl,
     )
 
 

@@ -239,6 +239,28 @@ def broadcast_all(
         _wait(work, group, wait, timeout, what, tensor.device.type)
 
 
+def gather_rounds(
+    rounds: list[list[Tensor]],
+    rank: int,
+    group: ProcessGroup | None,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    meanwhile: Callable[[], None] | None = None,
+) -> None:
+    """Each round (one tensor per rank, sizes from the plan) by one list ``all_gather``: started at once, then waited.
+
+    NCCL runs an ``all_gather`` into tensors of unequal sizes as one group of broadcasts, one per rank
+    (``ProcessGroupNCCL::allgather``), where separate broadcasts would run one after the other: ``W`` ring broadcasts
+    in series. Every rank passes the same sizes in the same order; its own tensor is its input and its output.
+    """
+    works = [dist.all_gather(parts, parts[rank], group=group, async_op=True) for parts in rounds]
+    if meanwhile is not None:
+        meanwhile()
+    for work, parts in zip(works, rounds, strict=True):
+        _wait(work, group, wait, timeout, what, parts[rank].device.type)
+
+
 def send_to_rank(
     transfers: list[tuple[int, Tensor | None]],
     dst: int,
