@@ -55,9 +55,10 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   largest rank holds at least ``broadcast_min`` bytes (see ``_plan._route_data``). ``broadcast_min`` is the cost
   model's one constant: the bytes whose transfer costs what one more collective does. Measured on gloo (2-8 CPU
   processes, docs page "How the sync works"): 128 KiB. On NCCL it is 4 MiB, a choice from NCCL's documented latency
-  and bandwidth, **not measured**: NCCL paths cannot run where this package is tested. The route itself is the same
-  code on every backend (plain ``broadcast`` of a contiguous slice, which NCCL supports on CUDA tensors). NCCL's list
-  ``all_gather`` with unequal sizes is not used: it could not be run where this package is tested.
+  and bandwidth, **not measured** (one GPU cannot: NCCL refuses two ranks on it). On NCCL each round of the route
+  (every rank's chunk of one state) is one list ``all_gather`` of unequal sizes, which ``ProcessGroupNCCL`` runs as
+  one group of broadcasts (``grouped_broadcasts``); gloo's list ``all_gather`` takes equal sizes only, so there it is
+  one ``broadcast`` per rank and chunk. The grouped path runs on gloo in the tests with equal sections only.
 
 The waiting itself (the two ways, their constants, the timeouts) is :mod:`torchmetrics_varlen._waits`'s: this module
 only decides which way a sync waits (:func:`wait_mode`). Tests force a policy on gloo with :func:`forced`, and call
