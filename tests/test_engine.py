@@ -310,7 +310,7 @@ def test_int64_sums_split_into_float64_halves_are_bit_identical():
     # In process: what an all-reduce of the encoded halves gives (their float64 sum) decodes to torch.sum's int64
     # result, extreme values and wrap-around included.
     from torchmetrics_varlen._buffers import _decode, _encode
-    from torchmetrics_varlen._plan import ENC_INVERT, ENC_SPLIT
+    from torchmetrics_varlen._routes import ENC_INVERT, ENC_SPLIT
 
     info = torch.iinfo(torch.int64)
     ranks = [
@@ -500,8 +500,8 @@ def test_inline_results_are_every_ranks_states_stacked(dtypes):
     table = torch.tensor([record + [0] * (words - len(record)) for record in records])
     plan = _plan.make_plan(table, "inline")
     assert plan.inline
-    described = _protocol.record_words(len(dtypes))
-    results = _buffers.unpack_inline(table, described, plan)
+    meta_words = _protocol.record_words(len(dtypes))
+    results = _buffers.unpack_inline(table, meta_words, plan)
     for index, result in enumerate(results):
         expected = torch.stack([entries[index] for entries in ranks])
         assert result.tensor.dtype == expected.dtype and torch.equal(result.tensor, expected), (index, result)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import _buffers, _plan, _protocol
+from torchmetrics_varlen import _buffers, _plan, _protocol, _rows
 from torchmetrics_varlen._buffers import Joined, Stacked
 from torchmetrics_varlen._protocol import Ref
 from torchmetrics_varlen.errors import SyncMismatchError
@@ -59,11 +59,11 @@ def _entries(rank):
 @pytest.mark.parametrize("world", [2, 5, 17, 100])
 def test_unpacked_entries_equal_the_ranks_entries(world, index, monkeypatch):
     if index in ("int32", "int64"):
-        monkeypatch.setattr(_buffers, "SLICE_MAX_SECTIONS", 0)  # the element index, however few the sections
+        monkeypatch.setattr(_rows, "SLICE_MAX_SECTIONS", 0)  # the element index, however few the sections
     if index == "int64":
-        monkeypatch.setattr(_buffers, "INDEX32_ELEMENTS", 0)  # the wide element index of very large buffers
+        monkeypatch.setattr(_rows, "INDEX32_ELEMENTS", 0)  # the wide element index of very large buffers
     if index == "sections":
-        monkeypatch.setattr(_buffers, "SLICE_MIN_AVERAGE", 0)  # the section-by-section cut of large sections
+        monkeypatch.setattr(_rows, "SLICE_MIN_AVERAGE", 0)  # the section-by-section cut of large sections
     per_rank = [_entries(rank) for rank in range(world)]
     _, results = _sync(per_rank, CAT)
 

@@ -34,35 +34,35 @@ def _learnt(ranks, aux=None, ops=None, cat=None):
     table = _table(records)
     plan = _plan.make_plan(table, "repeat", ops)
     assert plan.inline
-    described = _protocol.record_words(len(ranks[0]))
+    meta_words = _protocol.record_words(len(ranks[0]))
     key = (5, "repeat", 0, _protocol.DEFAULT_CAP, None)
-    _repeat.learn(key, records[0], ops, cat, "if_graph", table.numpy(), described, plan)
+    _repeat.learn(key, records[0], ops, cat, "if_graph", table.numpy(), meta_words, plan)
     template = _repeat.lookup(key)
     assert template is not None
-    return template, described
+    return template, meta_words
 
 
 @pytest.mark.parametrize("dtypes", DTYPES)
 def test_the_learnt_results_are_unpack_inlines(dtypes):
-    template, described = _learnt([_entries(dtypes, rank + 1) for rank in range(3)])
+    template, meta_words = _learnt([_entries(dtypes, rank + 1) for rank in range(3)])
     ranks = [_entries(dtypes, 10 - 4 * rank) for rank in range(3)]  # other data, same metadata
     table = _table([_protocol.describe(entries, 5, "repeat", 0, inline=True) for entries in ranks])
-    learnt = _repeat.results(template, table.numpy(), described, None, None, "if_graph")
+    learnt = _repeat.results(template, table.numpy(), meta_words, None, None, "if_graph")
     plan = _plan.make_plan(table, "repeat")
     assert learnt is not None and plan.groups == template.plan.groups and template.plan.inline
-    for got, expected in zip(learnt, _buffers.unpack_inline(table, described, plan)):
+    for got, expected in zip(learnt, _buffers.unpack_inline(table, meta_words, plan)):
         assert got.tensor.dtype == expected.tensor.dtype and torch.equal(got.tensor, expected.tensor)
 
 
 def test_a_table_whose_headers_or_slots_changed_is_not_taken_from_the_template():
-    template, described = _learnt([_entries(DTYPES[0], rank + 1) for rank in range(2)])
+    template, meta_words = _learnt([_entries(DTYPES[0], rank + 1) for rank in range(2)])
     same = [_entries(DTYPES[0], 3) for _ in range(2)]
     words = _table([_protocol.describe(e, 5, "repeat", 0, inline=True) for e in same]).numpy()
-    assert _repeat.results(template, words, described, None, None, "if_graph")
+    assert _repeat.results(template, words, meta_words, None, None, "if_graph")
     # The plan's other inputs are compared too: other ops, `cat` flags or grad mode go the long way.
-    assert _repeat.results(template, words, described, [1, 1, 1, 1], None, "if_graph") is None
-    assert _repeat.results(template, words, described, None, [True] * 4, "if_graph") is None
-    assert _repeat.results(template, words, described, None, None, "always") is None
+    assert _repeat.results(template, words, meta_words, [1, 1, 1, 1], None, "if_graph") is None
+    assert _repeat.results(template, words, meta_words, None, [True] * 4, "if_graph") is None
+    assert _repeat.results(template, words, meta_words, None, None, "always") is None
     others = [
         [
             _protocol.describe(same[0], 5, "repeat", 0, inline=True),
@@ -79,7 +79,7 @@ def test_a_table_whose_headers_or_slots_changed_is_not_taken_from_the_template()
         [_protocol.describe(e, 5, "repeat", 0, inline=True) for e in [same[0], same[1], same[0]]],  # three ranks
     ]
     for records in others:
-        assert _repeat.results(template, _table(records).numpy(), described, None, None, "if_graph") is None
+        assert _repeat.results(template, _table(records).numpy(), meta_words, None, None, "if_graph") is None
 
 
 # ---------------------------------------------------------------------------------------------------- distributed

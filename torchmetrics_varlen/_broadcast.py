@@ -2,7 +2,7 @@
 
 The padded gather makes every rank receive and allocate ``world_size x`` the largest rank's bytes: with one rank
 holding 8x the others at 8 ranks, 64 units for 15, and a joined ``cat`` state is then copied out of those rows. An
-entry the plan routes here (``_plan._route_data``) instead gets its result allocated first, every rank's data in rank
+entry the plan routes here (``_routes.route_data``) instead gets its result allocated first, every rank's data in rank
 order (entry-major: the joined ``cat`` tensor itself, a dense entry's ``[world_size, *shape]`` stack, or the data
 of the per-rank pieces); this rank copies its own data into its section, and one broadcast per rank that holds data
 (in chunks of at most the plan's cap) fills the others' sections in place. Bytes received are the true sizes, the

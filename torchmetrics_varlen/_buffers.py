@@ -1,11 +1,12 @@
-"""Packing the local entries into transfer buffers, and cutting every rank's entries back out.
+"""Packing the local entries into transfer buffers, and unpacking every rank's entries: one result per entry.
 
 ``pack`` copies the gathered entries into one ``uint8`` send buffer, ``pack_reduced`` the all-reduced ones into one
 flat buffer per reduce group. ``unpack`` turns the gathered ``[world_size, bytes]`` rows into one result per entry
 with tensor operations over all ranks at once: dense entries as ``[world_size, *shape]`` blocks, ``cat`` entries as
 every rank's data concatenated in rank order (one index selection, whatever the number of ranks), other entries as
-per-rank pieces. Padding never escapes. Tensors are copied to and from the buffer device with ``Tensor.to``, a no-op
-on the same device, so states on any device take the same path.
+per-rank pieces (cut out of the rows by :mod:`torchmetrics_varlen._rows`). Padding never escapes. Tensors are copied
+to and from the buffer device with ``Tensor.to``, a no-op on the same device, so states on any device take the same
+path.
 """
 
 import threading
@@ -17,28 +18,18 @@ import torch
 from torch import Tensor
 
 from torchmetrics_varlen import _caches
-from torchmetrics_varlen._plan import (
-    ENC_INVERT,
-    ENC_SPLIT,
-    ROUTE_BCAST,
-    ROUTE_REDUCE,
-    EntryPlan,
-    Plan,
-    all_along,
-    any_along,
-)
+from torchmetrics_varlen._entries import ROUTE_BCAST, ROUTE_REDUCE, any_along
+from torchmetrics_varlen._plan import Cut, JoinFacts, Plan, Section
 from torchmetrics_varlen._protocol import (
     KIND_LIST,
-    KIND_TENSOR,
-    MAX_NDIM,
     NUMPY_DTYPES,
-    SHAPE_WORDS,
     Entry,
     LocalEntry,
     Ref,
-    dtype_of,
     shape_slots,
 )
+from torchmetrics_varlen._routes import ENC_INVERT, ENC_SPLIT
+from torchmetrics_varlen._rows import common_trailing, data_start, piece_of, pieces_of, select_elements, sent_dtype
 
 
 class Stacked:
@@ -136,20 +127,20 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, device: torch.dev
     return buffer
 
 
-def _sections(plan: Plan, rank: int) -> list[tuple[EntryPlan | None, int, int, int]]:
+def _sections(plan: Plan, rank: int) -> list[Section]:
     """Per entry, where this rank's section of a gathered entry begins, its shape table's bytes and its elements.
 
     None for the dense entries (their groups are packed together). Worked out once per plan and rank.
     """
-    found = plan.memo.get(("sections", rank))
+    found = plan.unpack_memo.sections.get(rank)
     if found is None:
-        found = plan.memo[("sections", rank)] = [
+        found = plan.unpack_memo.sections[rank] = [
             (None, 0, 0, 0)
             if eplan.dense or eplan.offsets is None or eplan.table_bytes is None
             else (eplan, int(eplan.offsets[rank]), int(eplan.table_bytes[rank]), int(eplan.numels[rank]))
             for eplan in plan.entries
         ]
-    return found  # type: ignore[return-value]
+    return found
 
 
 def _copy_items(items: list[Tensor], section: Tensor, device: torch.device) -> None:
@@ -215,8 +206,8 @@ def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torc
     return out
 
 
-def unpack_inline(table: Tensor, described: int, plan: Plan) -> list[Result | None]:
-    """The dense entries of an inline plan, cut out of the records' data words (after the first ``described``).
+def unpack_inline(table: Tensor, meta_words: int, plan: Plan) -> list[Result | None]:
+    """The dense entries of an inline plan, cut out of the records' data words (after the first ``meta_words``).
 
     The same cut as :func:`unpack` makes from gathered rows, in numpy views, each entry made a tensor once: a small
     sync runs this at every step, and numpy views cost a fraction of tensor operations. Every inline entry is on the
@@ -224,20 +215,17 @@ def unpack_inline(table: Tensor, described: int, plan: Plan) -> list[Result | No
     """
     cuts = inline_cuts(plan)
     if cuts is None:
-        rows = table[:, described:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
+        rows = table[:, meta_words:].view(torch.uint8)  # each row's words are contiguous: viewed as bytes in place
         return unpack(rows, plan, [_CPU] * len(plan.entries))
-    return cut_inline(table.numpy(), described, cuts, len(plan.entries))
-
-
-Cut = tuple[int, Any, int, int, tuple[int, ...]]  # entry, numpy dtype, first and last data byte, [world_size, *shape]
+    return cut_inline(table.numpy(), meta_words, cuts, len(plan.entries))
 
 
 def inline_cuts(plan: Plan) -> list[Cut] | None:
     """Where each dense entry of a plan lies in a rank's data bytes; None for a dtype numpy lacks. Kept per plan."""
-    found = plan.memo.get("cuts", False)
+    found = plan.unpack_memo.cuts
     if found is False:
-        found = plan.memo["cuts"] = _dense_cuts(plan)
-    return found  # type: ignore[return-value]
+        found = plan.unpack_memo.cuts = _dense_cuts(plan)
+    return found
 
 
 def _dense_cuts(plan: Plan) -> list[Cut] | None:
@@ -253,10 +241,13 @@ def _dense_cuts(plan: Plan) -> list[Cut] | None:
     return cuts
 
 
-def cut_inline(words: Any, described: int, cuts: Sequence[Cut], count: int) -> list[Result | None]:
-    """The entries ``cuts`` names, cut out of the data bytes after the first ``described`` words of each row."""
+def cut_inline(words: Any, meta_words: int, cuts: Sequence[Cut], count: int) -> list[Result | None]:
+    """The entries ``cuts`` names, cut out of the data bytes after the first ``meta_words`` words of each row.
+
+    ``meta_words``: the words of a record's header and slots, which its data words follow.
+    """
     results: list[Result | None] = [None] * count
-    _cut_dense(words[:, described:].view("u1"), cuts, results)
+    _cut_dense(words[:, meta_words:].view("u1"), cuts, results)
     return results
 
 
@@ -295,22 +286,21 @@ def unpack(
     for index, data in broadcast.items():
         if plan.entries[index].dense:
             results[index] = Stacked(data.view(world, *plan.entries[index].shape).to(devices[index]))
-    found = plan.memo.get("gathered")
+    found = plan.unpack_memo.gathered
     if found is None:
         listing = [index for index, eplan in enumerate(plan.entries) if not eplan.dense and eplan.route != ROUTE_REDUCE]
-        found = plan.memo["gathered"] = (listing, {i for i in listing if bool((plan.entries[i].refs >= 0).any())})
-    gathered: list[int] = found[0]  # type: ignore[index]
-    referring: set[int] = found[1]  # type: ignore[index]
+        found = plan.unpack_memo.gathered = (listing, {i for i in listing if bool((plan.entries[i].refs >= 0).any())})
+    gathered, referring = found
     joins = [index for index in gathered if cat is not None and cat[index] and index not in referring]
     joined = _joined(rows, plan, joins, devices, broadcast)
     for index in gathered:
         if index in referring:
             results[index] = _with_refs(rows, plan, index, results, devices[index])
         else:
-            found = joined.get(index)
-            pieces = found is None
+            whole = joined.get(index)
+            pieces = whole is None
             results[index] = (
-                _pieces(rows, plan.entries[index], devices[index], broadcast.get(index)) if pieces else found
+                pieces_of(rows, plan.entries[index], devices[index], broadcast.get(index)) if pieces else whole
             )
     return results
 
@@ -333,82 +323,33 @@ def _unpack_dense(rows: Tensor, plan: Plan, devices: Sequence[torch.device], res
             results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
 
 
-# The element index is int32 (half the memory to write and read) while every position fits, with room for the
-# jumps between positions (see ``_select``).
-INDEX32_ELEMENTS = 2**30
-SLICE_MIN_AVERAGE = 4096  # elements per section, on average, from which sections are cut one by one
-# Up to this many sections of one dtype (entries x ranks) are cut one by one whatever their size: a slice costs a
-# few microseconds, an element index some fifty whatever it selects (2 gloo ranks here, right after the gather).
-SLICE_MAX_SECTIONS = 16
-
-
-def _select(rows: Tensor, starts: list[list[int]], counts: list[list[int]], dtype: torch.dtype) -> list[Tensor]:
-    """For each entry ``e``: elements ``[starts[e][r], starts[e][r] + counts[e][r])`` of every rank ``r``'s row.
-
-    ``starts`` (bytes) and ``counts`` (elements) are ``k`` lists of ``W``; each entry's elements come back
-    concatenated in rank order. Few or large sections are sliced out one by one, one copy per entry. Otherwise one
-    element index for all ``k`` entries and one ``index_select`` each, whatever the number of ranks: the rows are one
-    contiguous buffer, and every section is aligned to its dtype, so each element's place follows from its rank's
-    start. The index is a cumulative sum of ones with a jump where each section starts, built in place: fewer
-    passes over fewer fresh pages than repeating each section's start and adding a range.
-    """
-    totals = [sum(row) for row in counts]
-    total = sum(totals)
-    if total == 0:
-        return [torch.empty(0, dtype=dtype, device=rows.device) for _ in totals]
-    world, width = rows.shape
-    flat = rows.reshape(-1).view(dtype)
-    size, sections = dtype.itemsize, len(totals) * world
-    if sections <= SLICE_MAX_SECTIONS or total >= SLICE_MIN_AVERAGE * sections:
-        # Large sections (a big `cat` state on few ranks) are copied at memory speed, where an element index would
-        # cost several times the data it selects; few small ones cost less as slices than the index takes to build.
-        out = []
-        for starts_e, counts_e in zip(starts, counts, strict=True):
-            firsts = [(rank * width + start) // size for rank, start in enumerate(starts_e)]
-            parts = [flat[first : first + count] for first, count in zip(firsts, counts_e, strict=True) if count]
-            out.append(torch.cat(parts) if parts else flat.new_empty(0))
-        return out
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    first = (torch.arange(world, dtype=torch.int64) * width + torch.tensor(starts, dtype=torch.int64)) // size
-    first, sizes = first.reshape(-1), counts_t.reshape(-1)
-    begins = sizes.cumsum(0) - sizes  # where each section starts in the output
-    # The running sum of ones is begin + 1 at a section's first element, which must be first: the jumps up to there
-    # add up to first - begin - 1. Empty sections share their begin with the next section; their jumps cancel out.
-    jumps = (first - begins - 1).diff(prepend=torch.zeros(1, dtype=torch.int64))
-    kind = torch.int32 if flat.numel() < INDEX32_ELEMENTS else torch.int64
-    steps = torch.ones(total + 1, dtype=kind).index_add_(0, begins, jumps.to(kind))  # + 1: trailing empty sections
-    index = steps.cumsum_(0)[:total].to(rows.device)
-    return [torch.index_select(flat, 0, part) for part in torch.split(index, totals)]
-
-
 def _joined(
     rows: Tensor, plan: Plan, indices: list[int], devices: Sequence[torch.device], broadcast: dict[int, Tensor]
 ) -> dict[int, Joined]:
     """The ``cat`` entries among ``indices`` whose items' shapes allow it as one tensor each, of all ranks' data.
 
     Which entries join, to what trailing dims, and where each rank's data lies are decided for all of them at once,
-    once per plan; entries of one dtype are cut out together (see ``_select``). A broadcast entry's data is already
-    joined: it is viewed in that shape.
+    once per plan; entries of one dtype are cut out together (see ``_rows.select_elements``). A broadcast entry's data
+    is already joined: it is viewed in that shape.
     """
     out: dict[int, Joined] = {}
     if not indices:
         return out
     entries = [plan.entries[index] for index in indices]
     listed = [eplan.kind == KIND_LIST for eplan in entries]
-    key = ("joined", *indices)
-    found = plan.memo.get(key)
+    key = tuple(indices)
+    found = plan.unpack_memo.joined.get(key)
     if found is None:
         numels = torch.stack([eplan.numels for eplan in entries])  # [k, W]
         items = torch.stack([eplan.items for eplan in entries])
         # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
         holds = torch.where(torch.tensor(listed).unsqueeze(1), items, numels) > 0
-        shapes = _common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
-        starts = torch.stack([_data_start(eplan) for eplan in entries]).tolist()
-        found = plan.memo[key] = (shapes, any_along(holds, dim=1).tolist(), starts, numels.tolist())
-    trailing: list[tuple[int, ...] | None] = found[0]  # type: ignore[index]
-    held_any: list[bool] = found[1]  # type: ignore[index]
-    data_starts: list[list[int]] = found[2]  # type: ignore[index]
-    data_counts: list[list[int]] = found[3]  # type: ignore[index]
+        shapes = common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
+        starts = torch.stack([data_start(eplan) for eplan in entries]).tolist()
+        found = plan.unpack_memo.joined[key] = JoinFacts(
+            shapes, any_along(holds, dim=1).tolist(), starts, numels.tolist()
+        )
+    trailing, held_any, data_starts, data_counts = found.trailing, found.held_any, found.data_starts, found.data_counts
     pending: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
     for position, (index, eplan, shape, held) in enumerate(zip(indices, entries, trailing, held_any, strict=True)):
         if listed[position] and not held:
@@ -416,7 +357,7 @@ def _joined(
         elif shape is None:
             continue  # its items' shapes do not allow one tensor: per-rank pieces
         elif eplan.dtype is None:  # items of zero length only: they keep the dtype a rank sent, as on one process
-            out[index] = Joined(torch.empty(0, dtype=_sent_dtype(eplan)).view(-1, *shape).to(devices[index]))
+            out[index] = Joined(torch.empty(0, dtype=sent_dtype(eplan)).view(-1, *shape).to(devices[index]))
         elif index in broadcast:
             out[index] = Joined(broadcast[index].view(-1, *shape).to(devices[index]))
         else:
@@ -424,102 +365,9 @@ def _joined(
     for dtype, members in pending.items():
         starts = [data_starts[position] for position, _ in members]
         counts = [data_counts[position] for position, _ in members]
-        for (position, shape), data in zip(members, _select(rows, starts, counts, dtype), strict=True):
+        for (position, shape), data in zip(members, select_elements(rows, starts, counts, dtype), strict=True):
             out[indices[position]] = Joined(data.view(-1, *shape).to(devices[indices[position]]))
     return out
-
-
-def _sent_dtype(eplan: EntryPlan) -> torch.dtype:
-    """The dtype of an entry no rank holds data of: the first dtype a rank sent (of its zero-length items)."""
-    sent = eplan.dtype_codes[eplan.dtype_codes > 0]
-    return dtype_of(int(sent[0])) or torch.get_default_dtype() if sent.numel() else torch.get_default_dtype()
-
-
-def _data_start(eplan: EntryPlan) -> Tensor:
-    """Per rank: the byte offset of an entry's data, after its item shape table (none for tensors)."""
-    assert eplan.offsets is not None and eplan.table_bytes is not None
-    return eplan.offsets + eplan.table_bytes
-
-
-def _common_trailing(shapes: Tensor, holds: Tensor) -> list[tuple[int, ...] | None]:
-    """Per entry, the trailing dims ``dim_zero_cat`` gives the items of its ranks that ``holds``; None if they differ.
-
-    ``shapes`` is ``[k, SHAPE_WORDS, W]``, ``holds`` ``[k, W]``; None too for an entry where no rank holds any.
-    """
-    ndims, ignored = shapes[:, 0], ~holds
-    lead = shapes[torch.arange(shapes.shape[0]), :, holds.view(torch.uint8).argmax(dim=1)]  # the first holding rank's
-    words = torch.arange(2, SHAPE_WORDS)
-    dims = words < 1 + lead[:, :1]  # [k, SHAPE_WORDS - 2]: which words hold the dims after the first
-    differ = any_along((shapes[:, 2:] != lead[:, 2:].unsqueeze(2)) & dims.unsqueeze(2), dim=1)
-    alike = ~differ & (ndims == lead[:, :1])
-    checks = torch.stack(
-        [
-            any_along(holds, dim=1),
-            any_along(holds & (ndims > MAX_NDIM), dim=1),  # a list whose items do not concatenate (MIXED_ITEMS)
-            all_along((ndims <= 1) | ignored, dim=1),  # scalars and vectors concatenate to a vector
-            all_along(alike | ignored, dim=1),
-        ],
-        dim=1,
-    ).tolist()
-    found: list[tuple[int, ...] | None] = []
-    for (held, mixed, vectors, same), row in zip(checks, lead.tolist(), strict=True):
-        if not held or mixed:
-            found.append(None)
-        else:
-            found.append(() if vectors else tuple(row[2 : 1 + row[0]]) if same else None)
-    return found
-
-
-def _pieces(rows: Tensor, eplan: EntryPlan, device: torch.device, data: Tensor | None = None) -> list:  # type: ignore[type-arg]
-    """One piece per rank: a tensor with its true shape, or a list of tensors (list entries).
-
-    ``data``: every rank's data of a broadcast entry, in rank order (its item shape tables are in ``rows``).
-    """
-    starts = (eplan.numels.cumsum(0) - eplan.numels).tolist() if data is not None else None
-    return [
-        _piece(rows, eplan, rank, device, None if data is None or starts is None else data[starts[rank] :])
-        for rank in range(eplan.numels.shape[0])
-    ]
-
-
-def _piece(
-    rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device, data: Tensor | None = None
-) -> Tensor | list[Tensor]:
-    """Rank ``rank``'s piece; ``data``: its elements (and what follows) where the entry was broadcast."""
-    assert eplan.offsets is not None and eplan.table_bytes is not None
-    offset, numel = int(eplan.offsets[rank]), int(eplan.numels[rank])
-    if eplan.kind == KIND_TENSOR:
-        if numel == 0:
-            shape = eplan.empty_shape if eplan.empty_shape is not None else eplan.shape_of(rank)
-            dtype = eplan.dtype or dtype_of(int(eplan.dtype_codes[rank])) or torch.get_default_dtype()
-            return torch.empty(shape, dtype=dtype, device=device)
-        assert eplan.dtype is not None  # a rank with data has a dtype
-        if data is not None:
-            return data[:numel].view(eplan.shape_of(rank)).to(device)
-        raw = rows[rank, offset : offset + numel * eplan.dtype.itemsize].view(eplan.dtype)
-        return raw.view(eplan.shape_of(rank)).to(device)
-    count = int(eplan.items[rank])
-    if count == 0:
-        return []
-    table = rows[rank, offset : offset + count * SHAPE_WORDS * 8].view(torch.int64).view(count, SHAPE_WORDS).tolist()
-    dtype = eplan.dtype if eplan.dtype is not None else _sent_dtype(eplan)
-    start = offset + int(eplan.table_bytes[rank])
-    position = 0  # in ``data``, where the entry was broadcast
-    items = []
-    for slots in table:
-        shape = tuple(slots[1 : 1 + slots[0]])
-        size = 1
-        for dim in shape:
-            size *= dim
-        if eplan.dtype is None or size == 0:
-            items.append(torch.empty(shape, dtype=dtype, device=device))
-        elif data is not None:
-            items.append(data[position : position + size].view(shape).to(device))
-        else:
-            items.append(rows[rank, start : start + size * dtype.itemsize].view(dtype).view(shape).to(device))
-        start += size * dtype.itemsize
-        position += size
-    return items
 
 
 def rank_piece(result: Result, rank: int, rows: Tensor, plan: Plan, index: int, device: torch.device) -> Entry:
@@ -528,7 +376,7 @@ def rank_piece(result: Result, rank: int, rows: Tensor, plan: Plan, index: int, 
         return result[rank]  # type: ignore[no-any-return]
     if isinstance(result, Stacked):
         return result.tensor[rank]
-    return _piece(rows, plan.entries[index], rank, device)
+    return piece_of(rows, plan.entries[index], rank, device)
 
 
 def _with_refs(
@@ -546,5 +394,5 @@ def _with_refs(
             assert earlier is not None and not isinstance(earlier, Reduced)
             pieces.append(rank_piece(earlier, rank, rows, plan, ref, device))
         else:
-            pieces.append(_piece(rows, eplan, rank, device))
+            pieces.append(piece_of(rows, eplan, rank, device))
     return pieces

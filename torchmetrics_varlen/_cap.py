@@ -8,7 +8,7 @@ alike whatever each was configured with. The cap comes from, first found:
 2. the ``TORCHMETRICS_VARLEN_SYNC_CAP`` environment variable;
 3. :data:`DEFAULT_CAP` (256 MiB).
 
-What it bounds (see ``_plan._route_data``): the padded gather's buffer (``world_size x`` the largest rank's bytes);
+What it bounds (see ``_routes.route_data``): the padded gather's buffer (``world_size x`` the largest rank's bytes);
 entries that would push it past the cap move by per-rank broadcasts straight into their results instead, and each
 broadcast moves at most the cap. So beyond the synced result itself a sync allocates about the cap at most.
 """
@@ -52,7 +52,7 @@ def resolve_cap(sync_cap: object = None) -> int:
     """The cap this rank sends: ``sync_cap`` if given, else the environment's, else :data:`DEFAULT_CAP`.
 
     An environment value that does not parse gives :data:`INVALID_CAP`: it travels in the record, and every rank raises
-    together (``_protocol.check_headers``), where raising here would leave the other ranks waiting.
+    together (``_mismatch.check_headers``), where raising here would leave the other ranks waiting.
     """
     if sync_cap is not None:
         return parse_cap(sync_cap, "sync_cap")

@@ -18,7 +18,7 @@ import array
 import functools
 import math
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,6 @@ from torch import Tensor
 
 from torchmetrics_varlen import _caches
 from torchmetrics_varlen._cap import DEFAULT_CAP
-from torchmetrics_varlen.errors import SyncMismatchError
 
 
 class Ref:
@@ -52,13 +51,13 @@ FLAG_GRAD = 2  # a local state carries a rank-local autograd graph: gather every
 FLAG_DIFF = 4  # a differentiable sync (``sync_grads=True`` in grad mode): every rank must agree
 FLAG_INLINE = 8  # the record carries this rank's data after its slots (see ``_inline_words``)
 # TORCHMETRICS_VARLEN_REDUCE of the sending rank ("auto" sends neither): the plan's routes follow it, so every rank
-# must have the same (check_headers).
+# must have the same (``_mismatch.check_headers``).
 FLAG_REDUCE_NEVER, FLAG_REDUCE_ALWAYS = 16, 32
 REDUCE_FLAGS = {"auto": 0, "never": FLAG_REDUCE_NEVER, "always": FLAG_REDUCE_ALWAYS}
-_REDUCE_MASK = FLAG_REDUCE_NEVER | FLAG_REDUCE_ALWAYS
+REDUCE_MASK = FLAG_REDUCE_NEVER | FLAG_REDUCE_ALWAYS
 FLAG_SHADOW = 64  # the record of a joined rank's Join worker: an empty batch of the metric it expects (_join_shadow)
 # A differentiable sync whose tensors live on the CPU in a process that uses CUDA (_policy.crosses_autograd_threads):
-# refused on every rank when any rank sets it (_plan.refuse_host_grad).
+# refused on every rank when any rank sets it (``_mismatch.refuse_host_grad``).
 FLAG_HOST_GRAD = 128
 # A sync of a few small dense states (sums, counts) carries the data in the records themselves: when every rank did
 # so and every state is dense, the metadata exchange is the whole sync, one collective.
@@ -83,14 +82,6 @@ def record_words(entries: int) -> int:
 
 # Local problems found by ``describe``; reported through the record so that every rank raises together.
 ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT, ERR_DTYPE, ERR_DIM = 0, 1, 2, 3, 4, 5, 6
-_ERROR_TEXT = {
-    ERR_DIM: f"a tensor with a dimension larger than {MAX_DIM} (flatten it, or use a `cat` list state)",
-    ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
-    ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
-    ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
-    ERR_LAYOUT: "a sparse or otherwise non-strided tensor",
-    ERR_DTYPE: "a tensor of a dtype the protocol cannot carry",
-}
 
 _DTYPE_NAMES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
@@ -113,19 +104,9 @@ def _encode_label(label: str) -> tuple[int, ...]:
     return tuple(int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8))
 
 
-def _decode_label(words: Sequence[int]) -> str:
-    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
-    return raw.rstrip(b"\0").decode(errors="replace")
-
-
 def align(nbytes: int) -> int:
     """``nbytes`` rounded up to the section alignment."""
     return -(-nbytes // ALIGN) * ALIGN
-
-
-def dtype_name(code: int) -> str:
-    """Readable name of a dtype code, for error messages."""
-    return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else "-"
 
 
 def shape_slots(shape: Sequence[int]) -> list[int]:
@@ -371,79 +352,6 @@ def dense_layout(items: Iterable[tuple[int, torch.dtype, int]]) -> tuple[list[De
 def dtype_of(code: int) -> torch.dtype | None:
     """The dtype of a code (None for 0: an empty list sent no dtype)."""
     return DTYPES[code - 1] if code > 0 else None
-
-
-def rank_lines(table: Tensor, entry: int | None = None) -> str:
-    """One line per rank saying what it synced (and, with ``entry``, what it held there): error messages."""
-    lines = []
-    for rank, row in enumerate(table.tolist()):
-        text = f"  rank {rank}: {_decode_label(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
-        if entry is not None and entry < row[H_N] and len(row) >= record_words(entry + 1):
-            packed = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
-            slot = unpack_slots(torch.tensor(packed, dtype=torch.int64)).tolist()
-            if slot[E_KIND] == KIND_LIST:
-                items, numel, ndim = slot[E_ITEMS], slot[E_NUMEL], slot[E_NDIM]
-                joined = "mixed" if ndim > MAX_NDIM else str(("*", *slot[E_DIMS + 1 : E_DIMS + ndim])).replace("'", "")
-                text += f", list of {items} tensors, {numel} elements, joined shape={joined}"
-                text += f", dtype={dtype_name(slot[E_DTYPE])}"
-            elif slot[E_KIND] == KIND_TENSOR:
-                shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
-                text += f", shape={shape}, dtype={dtype_name(slot[E_DTYPE])}"
-        lines.append(text)
-    return "\n".join(lines)
-
-
-def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None = None) -> None:
-    """Raise `SyncMismatchError` (on every rank alike) when the ranks are not syncing the same thing.
-
-    ``names`` names the entry at a position (a metric's state), for the message of a rank's local problem.
-    """
-    if not bool((table[:, H_MAGIC] == MAGIC).all()):
-        bad = (table[:, H_MAGIC] != MAGIC).nonzero().flatten().tolist()
-        raise SyncMismatchError(
-            f"{what}: ranks {bad} are not running the torchmetrics_varlen sync protocol (version {MAGIC & 0xFFFF}) at"
-            " this point. Every rank must call the same sync in the same order; mixing torchmetrics_varlen versions or"
-            " stock collectives at the same step is not supported."
-        )
-    keys = table[:, [H_CONTEXT, H_N]]
-    if not bool((keys == keys[:1]).all()):
-        raise SyncMismatchError(
-            f"{what}: ranks are syncing different things at the same time (different metric, state layout, or phase:"
-            " per-step sync vs epoch compute). Every rank must sync the same metrics in the same order.\n"
-            + rank_lines(table)
-        )
-    diff = (table[:, H_FLAGS] & FLAG_DIFF) != 0
-    if bool(diff.any()) and not bool(diff.all()):
-        raise SyncMismatchError(
-            f"{what}: ranks {diff.nonzero().flatten().tolist()} run a differentiable sync (`sync_grads=True` in grad"
-            " mode) and the others do not; the backward pass would wait for them. Run the same code on every rank"
-            " (same `sync_grads`, same `torch.no_grad()` context).\n" + rank_lines(table)
-        )
-    modes = table[:, H_FLAGS] & _REDUCE_MASK
-    if not bool((modes == modes[:1]).all()):
-        mode_names = {flag: mode for mode, flag in REDUCE_FLAGS.items()}
-        per_rank = ", ".join(
-            f"rank {rank}: {mode_names.get(int(mode), '?')!r}" for rank, mode in enumerate(modes.tolist())
-        )
-        raise SyncMismatchError(
-            f"{what}: the ranks run with different `TORCHMETRICS_VARLEN_REDUCE` settings ({per_rank}); they would move"
-            " the states by different collectives. Set the same value (or none) in every rank's environment."
-        )
-    invalid = (table[:, H_CAP] <= 0).nonzero().flatten().tolist()
-    if invalid:
-        raise SyncMismatchError(
-            f"{what}: expected `TORCHMETRICS_VARLEN_SYNC_CAP` to be a number of bytes of at least 1024 (such as"
-            f" '64MiB') but ranks {invalid} have a value that does not parse. Fix it, or unset it, on those ranks."
-        )
-    failing = (table[:, H_ERROR] != ERR_NONE).nonzero().flatten().tolist()
-    if failing:
-        rank = failing[0]
-        error, entry = int(table[rank, H_ERROR]), int(table[rank, H_ERROR_ENTRY])
-        name = f"`{names(entry)}`" if names is not None else f"entry {entry}"
-        raise SyncMismatchError(
-            f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
-            " be synced.\n" + rank_lines(table, entry)
-        )
 
 
 _caches.register(

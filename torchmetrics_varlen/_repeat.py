@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchmetrics_varlen import _buffers, _caches, _protocol
-from torchmetrics_varlen._buffers import Cut, Result
-from torchmetrics_varlen._plan import Plan
+from torchmetrics_varlen._buffers import Result
+from torchmetrics_varlen._plan import Cut, Plan
 
 TEMPLATES_KEPT = 64  # a job syncs a handful of small metrics per step; more than this is no repeated sync
 
@@ -55,19 +55,22 @@ def lookup(key: Key) -> Template | None:
 def results(
     template: Template,
     words: Any,
-    described: int,
+    meta_words: int,
     ops: Sequence[int] | None,
     cat: Sequence[bool] | None,
     grad: str,
 ) -> list[Result | None] | None:
-    """The results of a sync whose exchanged table (``words``, numpy) has the learnt headers and slots, else None."""
+    """The results of a sync whose exchanged table (``words``, numpy) has the learnt headers and slots, else None.
+
+    ``meta_words``: the words of a record's header and slots (its data words follow).
+    """
     if grad != template.grad or (tuple(ops) if ops is not None else None) != template.ops:
         return None
     if (tuple(cat) if cat is not None else None) != template.cat:
         return None
-    if words.shape[1] < described or words[:, :described].tobytes() != template.table:
+    if words.shape[1] < meta_words or words[:, :meta_words].tobytes() != template.table:
         return None
-    return _buffers.cut_inline(words, described, template.cuts, len(template.plan.entries))
+    return _buffers.cut_inline(words, meta_words, template.cuts, len(template.plan.entries))
 
 
 def learn(
@@ -77,12 +80,13 @@ def learn(
     cat: Sequence[bool] | None,
     grad: str,
     words: Any,
-    described: int,
+    meta_words: int,
     plan: Plan,
 ) -> None:
     """Keep the plan of an inline sync for the next sync with the same ``key``.
 
-    ``sent`` is this rank's record, ``words`` the exchanged table (numpy) the plan was made from.
+    ``sent`` is this rank's record, ``words`` the exchanged table (numpy) the plan was made from, ``meta_words`` the
+    words of a record's header and slots.
     """
     if not ENABLED or not sent[_protocol.H_FLAGS] & _protocol.FLAG_INLINE:
         return
@@ -93,7 +97,7 @@ def learn(
         ops=tuple(ops) if ops is not None else None,
         cat=tuple(cat) if cat is not None else None,
         grad=grad,
-        table=words[:, :described].tobytes(),
+        table=words[:, :meta_words].tobytes(),
         plan=plan,
         cuts=cuts,
     )

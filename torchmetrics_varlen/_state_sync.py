@@ -6,7 +6,7 @@ at once) and :func:`torchmetrics_varlen.compute_on_rank`. The reductions give wh
 back as one concatenated tensor), except that uneven shapes and empty ranks work: a rank without data contributes
 nothing. A ``cat`` list that is empty on every rank comes back as stock's ``tensor([])`` of the metric's dtype; one
 whose items all have zero length keeps their dtype and trailing dims. Dense integer states with a sum, max or min
-reduction and float states with a sum or mean reduction may travel by all-reduce (see ``_plan.reduce_dtype``):
+reduction and float states with a sum or mean reduction may travel by all-reduce (see ``_routes.reduce_dtype``):
 integers bit-identical, floats with NaN, infinities and signed zeros as stock, finite floats summed in the backend's
 order. Ranks whose data cannot be combined raise `SyncMismatchError` on every rank, naming the state.
 """

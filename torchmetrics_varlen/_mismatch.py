@@ -1,0 +1,201 @@
+"""Refusals every rank raises alike from the exchanged records, and the text that says why.
+
+The checks themselves read the ``[world_size, words]`` table that every rank holds alike (see
+:mod:`torchmetrics_varlen._protocol`), so every rank raises the same `SyncMismatchError` (or `ValueError`) at the same
+step and none is left waiting in a collective. ``check_headers`` runs first, on the headers; the plan raises through
+``raise_uneven`` and ``refuse_host_grad`` once it has read the entries (see :mod:`torchmetrics_varlen._plan`). Each
+message names what differs and lists each rank's value (``rank_lines``).
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from torchmetrics_varlen._protocol import (
+    DTYPES,
+    E_DIMS,
+    E_DTYPE,
+    E_ITEMS,
+    E_KIND,
+    E_NDIM,
+    E_NUMEL,
+    ENTRY_LEN,
+    ERR_DIM,
+    ERR_DTYPE,
+    ERR_LAYOUT,
+    ERR_LIST_DTYPE,
+    ERR_NDIM,
+    ERR_NONE,
+    ERR_NOT_TENSOR,
+    FLAG_DIFF,
+    H_CAP,
+    H_CONTEXT,
+    H_ERROR,
+    H_ERROR_ENTRY,
+    H_FLAGS,
+    H_LABEL,
+    H_MAGIC,
+    H_N,
+    HEADER_LEN,
+    KIND_LIST,
+    KIND_TENSOR,
+    LABEL_WORDS,
+    MAGIC,
+    MAX_DIM,
+    MAX_NDIM,
+    REDUCE_FLAGS,
+    REDUCE_MASK,
+    record_words,
+    unpack_slots,
+)
+from torchmetrics_varlen.errors import SyncMismatchError
+
+# What a rank's local problem (``H_ERROR``, found by ``_protocol.describe``) is, in a message.
+_ERROR_TEXT = {
+    ERR_DIM: f"a tensor with a dimension larger than {MAX_DIM} (flatten it, or use a `cat` list state)",
+    ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
+    ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
+    ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
+    ERR_LAYOUT: "a sparse or otherwise non-strided tensor",
+    ERR_DTYPE: "a tensor of a dtype the protocol cannot carry",
+}
+
+
+def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None = None) -> None:
+    """Raise `SyncMismatchError` (on every rank alike) when the ranks are not syncing the same thing.
+
+    ``names`` names the entry at a position (a metric's state), for the message of a rank's local problem.
+    """
+    if not bool((table[:, H_MAGIC] == MAGIC).all()):
+        bad = (table[:, H_MAGIC] != MAGIC).nonzero().flatten().tolist()
+        raise SyncMismatchError(
+            f"{what}: ranks {bad} are not running the torchmetrics_varlen sync protocol (version {MAGIC & 0xFFFF}) at"
+            " this point. Every rank must call the same sync in the same order; mixing torchmetrics_varlen versions or"
+            " stock collectives at the same step is not supported."
+        )
+    keys = table[:, [H_CONTEXT, H_N]]
+    if not bool((keys == keys[:1]).all()):
+        raise SyncMismatchError(
+            f"{what}: ranks are syncing different things at the same time (different metric, state layout, or phase:"
+            " per-step sync vs epoch compute). Every rank must sync the same metrics in the same order.\n"
+            + rank_lines(table)
+        )
+    diff = (table[:, H_FLAGS] & FLAG_DIFF) != 0
+    if bool(diff.any()) and not bool(diff.all()):
+        raise SyncMismatchError(
+            f"{what}: ranks {diff.nonzero().flatten().tolist()} run a differentiable sync (`sync_grads=True` in grad"
+            " mode) and the others do not; the backward pass would wait for them. Run the same code on every rank"
+            " (same `sync_grads`, same `torch.no_grad()` context).\n" + rank_lines(table)
+        )
+    modes = table[:, H_FLAGS] & REDUCE_MASK
+    if not bool((modes == modes[:1]).all()):
+        mode_names = {flag: mode for mode, flag in REDUCE_FLAGS.items()}
+        per_rank = ", ".join(
+            f"rank {rank}: {mode_names.get(int(mode), '?')!r}" for rank, mode in enumerate(modes.tolist())
+        )
+        raise SyncMismatchError(
+            f"{what}: the ranks run with different `TORCHMETRICS_VARLEN_REDUCE` settings ({per_rank}); they would move"
+            " the states by different collectives. Set the same value (or none) in every rank's environment."
+        )
+    invalid = (table[:, H_CAP] <= 0).nonzero().flatten().tolist()
+    if invalid:
+        raise SyncMismatchError(
+            f"{what}: expected `TORCHMETRICS_VARLEN_SYNC_CAP` to be a number of bytes of at least 1024 (such as"
+            f" '64MiB') but ranks {invalid} have a value that does not parse. Fix it, or unset it, on those ranks."
+        )
+    failing = (table[:, H_ERROR] != ERR_NONE).nonzero().flatten().tolist()
+    if failing:
+        rank = failing[0]
+        error, entry = int(table[rank, H_ERROR]), int(table[rank, H_ERROR_ENTRY])
+        name = f"`{names(entry)}`" if names is not None else f"entry {entry}"
+        raise SyncMismatchError(
+            f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
+            " be synced.\n" + rank_lines(table, entry)
+        )
+
+
+def refuse_host_grad(what: str, ranks: list[int]) -> None:
+    """Raise on every rank: a differentiable sync of CPU tensors in a process that uses CUDA (see ``_policy``)."""
+    raise ValueError(
+        f"{what}: expected the tensors of a differentiable sync (`sync_grads=True` in grad mode) on the device the"
+        f" gradients come from, but ranks {ranks} hold them on the CPU while their process uses CUDA. Their backward"
+        " all-reduce would wait for copies on the CPU's autograd thread while DDP issues its gradient all-reduces from"
+        " the CUDA thread, and the two can reach the process group in a different order on different ranks (a hang"
+        " or mixed-up gradients). Keep the metric on the model's device (`metric.to(device)`, updated with CUDA"
+        " tensors rather than `.cpu()` copies), or sync without gradients (`sync_grads=False`)."
+    )
+
+
+def raise_uneven(
+    problems: Tensor,
+    indices: list[int],
+    codes: Tensor,
+    ndims: Tensor,
+    nonempty: Tensor,
+    table: Tensor,
+    what: str,
+    names: Callable[[int], str],
+) -> None:
+    """Raise `SyncMismatchError` for the first entry with a problem (``problems``: ``[check, m]``), its first check.
+
+    ``codes``, ``ndims`` and ``nonempty`` are ``[m, W]``. The message names the entry (``names``) and lists each
+    rank's shape and dtype there.
+    """
+    position = problems.any(dim=0).tolist().index(True)
+    check, index = problems[:, position].tolist().index(True), indices[position]
+    name = names(index)
+    if check == 0:
+        raise SyncMismatchError(f"{what}: {name} refers to a later entry; this is a torchmetrics_varlen bug.")
+    lines = "\nEach rank's value:\n" + rank_lines(table, index)
+    if check == 1:
+        raise SyncMismatchError(
+            f"{what}: expected `{name}` to be a tensor on every rank or a list on every rank, but it is a tensor on"
+            " some ranks and a list on others. Register the state with the same default on every rank." + lines
+        )
+    if check == 4:
+        raise SyncMismatchError(
+            f"{what}: expected `{name}` (dist_reduce_fx='cat') to have the same shape after the first dimension on"
+            " every rank that holds data, since the ranks' data are concatenated along the first dimension, but the"
+            " ranks differ. Give the state the same trailing dims on every rank." + lines
+        )
+    found = sorted(set((codes if check == 2 else ndims)[position][nonempty[position]].tolist()))
+    if check == 2:
+        raise SyncMismatchError(
+            f"{what}: expected `{name}` to have one dtype on every rank that holds data, but got"
+            f" {sorted(dtype_name(c) for c in found)}. Cast the state to one dtype on every rank." + lines
+        )
+    raise SyncMismatchError(
+        f"{what}: expected `{name}` to have the same number of dimensions on every rank that holds"
+        f" data, but got {found}." + lines
+    )
+
+
+def rank_lines(table: Tensor, entry: int | None = None) -> str:
+    """One line per rank saying what it synced (and, with ``entry``, what it held there): error messages."""
+    lines = []
+    for rank, row in enumerate(table.tolist()):
+        text = f"  rank {rank}: {_decode_label(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
+        if entry is not None and entry < row[H_N] and len(row) >= record_words(entry + 1):
+            packed = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
+            slot = unpack_slots(torch.tensor(packed, dtype=torch.int64)).tolist()
+            if slot[E_KIND] == KIND_LIST:
+                items, numel, ndim = slot[E_ITEMS], slot[E_NUMEL], slot[E_NDIM]
+                joined = "mixed" if ndim > MAX_NDIM else str(("*", *slot[E_DIMS + 1 : E_DIMS + ndim])).replace("'", "")
+                text += f", list of {items} tensors, {numel} elements, joined shape={joined}"
+                text += f", dtype={dtype_name(slot[E_DTYPE])}"
+            elif slot[E_KIND] == KIND_TENSOR:
+                shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
+                text += f", shape={shape}, dtype={dtype_name(slot[E_DTYPE])}"
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def dtype_name(code: int) -> str:
+    """Readable name of a dtype code, for error messages."""
+    return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else "-"
+
+
+def _decode_label(words: Sequence[int]) -> str:
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
+    return raw.rstrip(b"\0").decode(errors="replace")
