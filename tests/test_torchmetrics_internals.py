@@ -58,7 +58,7 @@ class AllKinds(StockMetric):
 
 # ------------------------------------------------------------------------------------------- Metric: states
 def test_reductions_registry_maps_to_the_dim_zero_functions():
-    # _state_sync.layout_text / reduce_state read Metric._reductions; `cat` states are recognised by
+    # _state_sync.layout_text / _reductions.reduce_state read Metric._reductions; `cat` states are recognised by
     # identity with dim_zero_cat, and the other reductions are called on the stacked per-rank values.
     reductions = AllKinds()._reductions
     assert isinstance(reductions, dict), _fail("Metric._reductions")

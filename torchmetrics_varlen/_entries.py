@@ -243,7 +243,7 @@ def _cat_conflicts(shapes: Tensor, nonempty: Tensor, catted: Tensor) -> Tensor:
 
     ``shapes`` is ``[m, SHAPE_WORDS, W]``: a tensor's ``[ndim, *dims]``, a list's ``[ndim, 0, *trailing]`` of what its
     items concatenate to (``MIXED_ITEMS`` when they do not: such a list is left to the join, see
-    ``_state_sync._cat_items``). A 0-d tensor joins as a vector. Ranks without data are left out: ``torch.cat`` skips
+    ``_reductions._cat_items``). A 0-d tensor joins as a vector. Ranks without data are left out: ``torch.cat`` skips
     the zero-length vectors stock sends for empty ranks.
     """
     ndims = shapes[:, 0].clamp(min=1)

@@ -246,7 +246,7 @@ def _layout(
         return groups, torch.full((world,), used, dtype=torch.int64)
     planned = [entries[index] for index in uneven]  # routed entries are copies: take them from `entries`
     kept = torch.tensor([entry.route != ROUTE_BCAST for entry in planned]).unsqueeze(1)
-    tables = torch.stack([entry.table_bytes for entry in planned])  # type: ignore[misc]  # set by _plan_uneven
+    tables = torch.stack([entry.table_bytes for entry in planned])  # type: ignore[misc]  # set by plan_uneven
     return groups, _layout_uneven(planned, tables + data_bytes * kept, world, used)
 
 

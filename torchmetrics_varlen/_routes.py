@@ -60,7 +60,7 @@ def reduce_dtype(op: int, dtype: torch.dtype) -> torch.dtype | None:
     Integers (and bools) sum as int64, which is what ``torch.sum`` gives, so the result is bit-identical; their max
     and min are exact in int64. Float sums and means: half floats travel as float32, in which ``torch.sum``
     accumulates them too; NaN and infinities propagate in any order, and a sum of zeros is made ``+0.0`` afterwards,
-    as ``torch.sum`` (which starts from ``+0.0``) gives (see ``_state_sync.reduce_state``); only the rounding order of
+    as ``torch.sum`` (which starts from ``+0.0``) gives (see ``_reductions.reduce_state``); only the rounding order of
     finite sums on three or more ranks is the backend's. Float max and min are gathered: ``torch.max`` of the stacked
     ranks propagates NaN and keeps the first rank's zero of a ``-0.0``/``+0.0`` tie, which no backend's ``MAX``
     all-reduce does (gloo drops NaN). Complex and float8 states are gathered.

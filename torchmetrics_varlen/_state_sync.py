@@ -1,18 +1,18 @@
 """Coalesced sync of metric states: every state of every metric in one run of the engine.
 
 Used by :class:`torchmetrics_varlen.Metric` (one metric), :class:`torchmetrics_varlen.MetricCollection` (all members
-at once) and :func:`torchmetrics_varlen.compute_on_rank`. The reductions give what stock
-``torchmetrics.Metric._sync_dist`` gives with the gathered states, with the same types (a ``cat`` list state comes
-back as one concatenated tensor), except that uneven shapes and empty ranks work: a rank without data contributes
-nothing. A ``cat`` list that is empty on every rank comes back as stock's ``tensor([])`` of the metric's dtype; one
-whose items all have zero length keeps their dtype and trailing dims. Dense integer states with a sum, max or min
-reduction and float states with a sum or mean reduction may travel by all-reduce (see ``_routes.reduce_dtype``):
-integers bit-identical, floats with NaN, infinities and signed zeros as stock, finite floats summed in the backend's
-order. Ranks whose data cannot be combined raise `SyncMismatchError` on every rank, naming the state.
+at once) and :func:`torchmetrics_varlen.compute_on_rank`. The reductions (each state's: ``_reductions``) give what
+stock ``torchmetrics.Metric._sync_dist`` gives with the gathered states, with the same types (a ``cat`` list state
+comes back as one concatenated tensor), except that uneven shapes and empty ranks work: a rank without data
+contributes nothing. A ``cat`` list that is empty on every rank comes back as stock's ``tensor([])`` of the
+metric's dtype; one whose items all have zero length keeps their dtype and trailing dims. Dense integer states with a
+sum, max or min reduction and float states with a sum or mean reduction may travel by all-reduce (see
+``_routes.reduce_dtype``): integers bit-identical, floats with NaN, infinities and signed zeros as stock, finite
+floats summed in the backend's order. Ranks whose data cannot be combined raise `SyncMismatchError` on every rank,
+naming the state.
 """
 
 import functools
-import math
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,10 +25,9 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from torchmetrics_varlen import _caches, _engine, _plan, _protocol
-from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._plan import Plan
-from torchmetrics_varlen._protocol import Entry, LocalEntry, Ref
-from torchmetrics_varlen.errors import SyncMismatchError
+from torchmetrics_varlen._protocol import LocalEntry, Ref
+from torchmetrics_varlen._reductions import carries_graph, reduce_state
 
 StateDict = dict[str, Any]
 _OPS: dict[Any, int] = {dim_zero_sum: _plan.OP_SUM, dim_zero_max: _plan.OP_MAX, dim_zero_min: _plan.OP_MIN}
@@ -48,7 +47,7 @@ _Signature = tuple[tuple[type, tuple[tuple[str, Any], ...]], ...]
 
 
 def _signature(metrics: Sequence[StockMetric]) -> _Signature:
-    """Each metric's class and synced states with their reductions: everything a layout's fixed part follows from."""
+    """Each metric's class and synced states with their reductions: everything a layout's class part follows from."""
     return tuple((type(metric), tuple(metric._reductions.items())) for metric in metrics)
 
 
@@ -95,8 +94,8 @@ def metrics_device(metrics: Sequence[StockMetric]) -> torch.device:
 
 
 @dataclass(frozen=True)
-class _Fixed:
-    """The part of a layout that follows from the metrics' classes, states and reductions and the phase alone.
+class _ClassLayout:
+    """What a set of metric classes syncs: the part of a layout their states, reductions and the phase alone decide.
 
     Shared by every sync with the same signature (read only: no user of a layout mutates its lists).
     """
@@ -111,13 +110,13 @@ class _Fixed:
 
 
 @functools.lru_cache(maxsize=256)
-def _fixed(phase: str, signature: _Signature) -> _Fixed:
+def _class_layout(phase: str, signature: _Signature) -> _ClassLayout:
     # Keyed by the classes and the reduction objects themselves (held by the key, so no id is ever reused), never by
     # a digest: a per-step sync asks at every step, and a wrong hit would send another layout.
     keys = [(index, name) for index, (_, reductions) in enumerate(signature) for name, _ in reductions]
     reductions = [fn for _, pairs in signature for _, fn in pairs]
     ops = [_OPS.get(fn, _plan.OP_NONE) for fn in reductions]
-    return _Fixed(
+    return _ClassLayout(
         keys=keys,
         reductions=reductions,
         ops=ops,
@@ -128,40 +127,41 @@ def _fixed(phase: str, signature: _Signature) -> _Fixed:
     )
 
 
-def _fixed_part(metrics: Sequence[StockMetric], phase: str) -> _Fixed:
+def _class_layout_of(metrics: Sequence[StockMetric], phase: str) -> _ClassLayout:
     signature = _signature(metrics)
     try:
-        return _fixed(phase, signature)
+        return _class_layout(phase, signature)
     except TypeError:  # a reduction that cannot be hashed: nothing to look up by
-        return _fixed.__wrapped__(phase, signature)
+        return _class_layout.__wrapped__(phase, signature)
 
 
 def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
     """The layout of a sync of ``metrics``; ``values`` replaces their current states (one dict per metric)."""
-    fixed = _fixed_part(metrics, phase)
+    class_layout = _class_layout_of(metrics, phase)
     if values:
-        states = [values[index][name] for index, name in fixed.keys]
+        states = [values[index][name] for index, name in class_layout.keys]
     else:  # the synced states, in registration order: plain attributes (tests/test_torchmetrics_internals.py)
         attrs = [vars(metric) for metric in metrics]
         try:
-            states = [attrs[index][name] for index, name in fixed.keys]
+            states = [attrs[index][name] for index, name in class_layout.keys]
         except KeyError:  # a subclass that keeps a state elsewhere (a property): as stock reads it
-            states = [getattr(metrics[index], name) for index, name in fixed.keys]
+            states = [getattr(metrics[index], name) for index, name in class_layout.keys]
     aux = [0] * len(states)
-    for position in fixed.means:
-        aux[position] = metrics[fixed.keys[position][0]]._update_count
+    for position in class_layout.means:
+        aux[position] = metrics[class_layout.keys[position][0]]._update_count
     return Layout(
-        keys=fixed.keys,
-        entries=entries_sharing_objects(states, fixed.reductions),
-        context=fixed.context,
-        reductions=fixed.reductions,
-        ops=fixed.ops,
-        cat=fixed.cat,
+        keys=class_layout.keys,
+        entries=entries_sharing_objects(states, class_layout.reductions),
+        context=class_layout.context,
+        reductions=class_layout.reductions,
+        ops=class_layout.ops,
+        cat=class_layout.cat,
         aux=aux,
-        graph=any([_carries_graph(value) for value in states]),
-        classes=fixed.classes,
+        graph=any([carries_graph(value) for value in states]),
+        classes=class_layout.classes,
         empty=[
-            (metrics[i].dtype, metrics[i].device) if joined else None for (i, _), joined in zip(fixed.keys, fixed.cat)
+            (metrics[i].dtype, metrics[i].device) if joined else None
+            for (i, _), joined in zip(class_layout.keys, class_layout.cat)
         ],
         device=metrics_device(metrics),
         # An instance attribute (set in __init__), read as the learnt sync reads it: getattr on a module without one
@@ -282,119 +282,6 @@ def entries_sharing_objects(values: list[Any], reductions: list[Any] | None = No
     return entries
 
 
-@functools.lru_cache(maxsize=256)
-def _result_dtype(reduction: Any, dtype: torch.dtype) -> torch.dtype:
-    """The dtype stock's ``reduction`` gives for stacked states of ``dtype`` (``torch.sum`` widens integers)."""
-    return reduction(torch.empty(2, 1, dtype=dtype, device="meta")).dtype  # type: ignore[no-any-return]
-
-
-def reduce_state(
-    result: Result,
-    reduction: Any,
-    op: int,
-    own: LocalEntry | None,
-    rank: int,
-    plan: Plan,
-    where: Callable[[int], str],
-    index: int,
-    empty: tuple[torch.dtype, torch.device] | None = None,
-) -> Any:
-    """Combine one state's per-rank values the way torchmetrics does after its gather.
-
-    ``empty`` is the (dtype, device) of a `cat` state that no rank holds an item of: stock gathers the
-    ``torch.tensor([], dtype=metric.dtype)`` each rank sends for its empty list, and gets that back concatenated.
-    """
-    dtype = plan.entries[index].dtype
-    if isinstance(result, Reduced):
-        assert dtype is not None  # a dense entry has one
-        value = result.tensor
-        if value.is_floating_point():
-            value = value + 0.0  # torch.sum starts from +0.0: a sum of zeros that are all -0.0 is +0.0 with stock
-        value = value / plan.world_size if op == _plan.OP_MEAN else value
-        return value.to(_result_dtype(reduction, dtype))
-    if isinstance(result, Joined):
-        if result.tensor is None:
-            return _empty_cat(empty)
-        if not _carries_graph(own):
-            return result.tensor
-        # This rank's section comes from its own tensors, so their rank-local graph survives, as with stock.
-        numels = plan.entries[index].numels
-        start, stop = int(numels[:rank].sum()), int(numels[: rank + 1].sum())
-        joined = result.tensor
-        mine = dim_zero_cat(own if isinstance(own, list) else [own]).reshape(-1, *joined.shape[1:])  # type: ignore[list-item]
-        row = math.prod(joined.shape[1:])  # elements per row of the joined state
-        return torch.cat([joined[: start // row], mine.to(joined.dtype), joined[stop // row :]])
-    if isinstance(result, Stacked):
-        stacked = result.tensor
-        if isinstance(own, Tensor) and own.requires_grad:
-            stacked = torch.cat([stacked[:rank], own.unsqueeze(0), stacked[rank + 1 :]])  # keep this rank's graph
-        if reduction is dim_zero_cat:
-            return stacked.reshape(-1, *stacked.shape[2:]) if stacked.ndim > 1 else stacked.clone()
-        return reduction(stacked) if reduction is not None else stacked.clone()
-    per_rank: list[Entry] = list(result)
-    if isinstance(per_rank[0], list):
-        flat = [item for items in per_rank for item in items]  # type: ignore[union-attr]
-        if not flat:
-            return _empty_cat(empty) if reduction is dim_zero_cat else []
-        if reduction is dim_zero_cat:
-            return _cat_items(flat, per_rank, where(index))
-        return reduction(flat) if reduction is not None else flat
-    if isinstance(own, Tensor) and (own.requires_grad or own.numel() > 0):
-        per_rank[rank] = own  # this rank's own object keeps its graph
-    tensors: list[Tensor] = [t for t in per_rank if isinstance(t, Tensor)]
-    if reduction is dim_zero_cat:
-        # Uneven `cat` tensor states: concatenate what each rank holds (stock stacks, which needs equal shapes).
-        return dim_zero_cat([t for t in tensors if t.numel() > 0] or tensors[:1])
-    shapes = {tuple(t.shape) for t in tensors}
-    if len(shapes) > 1:
-        listing = ", ".join(f"rank {r}: {tuple(t.shape)} {_dtype_text(t)}" for r, t in enumerate(tensors))
-        raise SyncMismatchError(
-            f"Expected state `{where(index)}` to have the same shape on every rank (its reduction stacks them) but got"
-            f" {listing}. Use dist_reduce_fx='cat' or a list state for data whose size differs between ranks."
-        )
-    stacked = torch.stack(tensors)
-    return reduction(stacked) if reduction is not None else stacked
-
-
-def _empty_cat(empty: tuple[torch.dtype, torch.device] | None) -> Tensor | list[Tensor]:
-    """Stock's value of a `cat` list state that is empty on every rank: ``tensor([])`` of the metric's dtype."""
-    if empty is None:  # not a metric's state (no layout names one): nothing to take a dtype from
-        return []
-    dtype, device = empty
-    return torch.empty(0, dtype=dtype, device=device)
-
-
-def _cat_items(flat: list[Tensor], per_rank: list[Entry], state: str) -> Tensor:
-    """``dim_zero_cat`` of every rank's items; items that cannot be joined raise `SyncMismatchError`.
-
-    The plan refuses ranks whose items join to different trailing dims; what is left here are lists whose items
-    differ already on one rank (the plan sees no common shape for them). Every rank holds the same pieces, so every
-    rank raises alike.
-    """
-    try:
-        return dim_zero_cat(flat)
-    except RuntimeError as error:
-        listing = "\n".join(
-            f"  rank {rank}: items of shapes {[tuple(t.shape) for t in items]}, dtype"  # type: ignore[union-attr]
-            f" {_dtype_text(items[0]) if items else '-'}"
-            for rank, items in enumerate(per_rank)
-        )
-        raise SyncMismatchError(
-            f"Expected the items of `cat` state `{state}` to have the same shape after the first dimension on every"
-            f" rank (they are concatenated along it) but got:\n{listing}\n({error})"
-        ) from error
-
-
-def _dtype_text(tensor: Tensor) -> str:
-    return str(tensor.dtype).replace("torch.", "")
-
-
-def _carries_graph(own: LocalEntry | None) -> bool:
-    if isinstance(own, Tensor):
-        return own.requires_grad
-    return isinstance(own, list) and any(isinstance(item, Tensor) and item.requires_grad for item in own)
-
-
 _MEAN_WARNED: "weakref.WeakKeyDictionary[StockMetric, set[str]]" = weakref.WeakKeyDictionary()
 _caches.register("_state_sync._MEAN_WARNED: the mean-of-means warning, once per metric and state", _MEAN_WARNED.clear)
 
@@ -425,7 +312,6 @@ def _warn_mean_of_means(metrics: Sequence[StockMetric], layout: Layout, plan: Pl
         )
 
 
-_caches.register("_state_sync._fixed: what a set of metric classes syncs, the same at every sync", _fixed.cache_clear)
 _caches.register(
-    "_state_sync._result_dtype: the dtype stock's reduction gives, the same for a dtype", _result_dtype.cache_clear
+    "_state_sync._class_layout: what a set of metric classes syncs, the same at every sync", _class_layout.cache_clear
 )
