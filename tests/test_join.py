@@ -239,11 +239,11 @@ def body_join_exchanges_take_sync_timeout(rank, world_size):
     original = engine.run
     seen = []
 
-    def recording(entries, group, **kwargs):
+    def recording(request):
         # The shadow runs in the Join worker thread; the terminate record comes from the main thread's post hook.
-        if threading.current_thread() is not threading.main_thread() or kwargs["label"] == "Join.terminate":
-            seen.append((kwargs["label"], kwargs.get("timeout")))
-        return original(entries, group, **kwargs)
+        if threading.current_thread() is not threading.main_thread() or request.label == "Join.terminate":
+            seen.append((request.label, request.timeout))
+        return original(request)
 
     engine.run = recording  # join.py looks it up at each call
     try:
@@ -426,12 +426,12 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
     original = engine.run
     handed = []
 
-    def recording(entries, group, **kwargs):
+    def recording(request):
         if threading.current_thread() is not MainThreadOnly.body_thread:  # the shadow
-            for entry in entries:
+            for entry in request.entries:
                 for tensor in entry if isinstance(entry, list) else [entry]:
                     handed.append((type(tensor).__name__, str(tensor.device)))
-        return original(entries, group, **kwargs)
+        return original(request)
 
     engine.run = recording
     try:
@@ -474,10 +474,10 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
     original = engine.run
     groups = []
 
-    def recording(entries, group, **kwargs):
-        if threading.current_thread() is threading.main_thread() and kwargs["label"] == "BatchMSE.step":
-            groups.append(group)
-        return original(entries, group, **kwargs)
+    def recording(request):
+        if threading.current_thread() is threading.main_thread() and request.label == "BatchMSE.step":
+            groups.append(request.group)
+        return original(request)
 
     engine.run = recording
     try:
