@@ -52,8 +52,9 @@ class _Session:
         self.followed = followed  # a hook of another joinable runs after this session's post hook
         group = self.metrics[0].join_process_group
         self.world_size = dist.get_world_size(group)
-        # A collective on the world the first time (every rank builds its Join at the same point); cached after.
-        self.side = _join_shadow.side_group(self.metrics[0].process_group)
+        # A collective on the group's ranks the first time (each of them builds its Join at the same point); cached
+        # after.
+        self.side = _join_shadow.side_group(self.metrics[0].process_group, self.metrics[0].join_device)
         self.joined = not counted
         self._pending: Any = None
         timeout = self.metrics[0].sync_timeout

@@ -9,12 +9,12 @@ Why a side process group and a thread: when the metric is a DDP loss, a running 
 forward collectives, then the metric's step sync, then DDP's backward all-reduces. DDP's own join hook shadows its
 forward and backward collectives in one call, so a joined rank cannot put the metric's sync between them on the same
 process group. Once some rank has joined, the per-step syncs therefore travel on a gloo process group of their own
-(one per process group, made once: see :mod:`torchmetrics_varlen._join_shadow`), and the joined rank shadows them
-from a worker thread, while its main thread runs DDP's hook. Until then they stay on the metric's own group: every
-rank switches at the same sync, decided from Join's count of the running ranks (see
-:mod:`torchmetrics_varlen._join_session`). The side group is gloo whatever the job's backend: NCCL must not be
-driven from two threads at once, and the worker never touches CUDA (it sends CPU copies of the defaults, made on the
-main thread).
+(one per process group, made once by that group's ranks: see :mod:`torchmetrics_varlen._join_shadow`), and the joined
+rank shadows them from a worker thread, while its main thread runs DDP's hook. Until then they stay on the metric's
+own group: every rank switches at the same sync, decided from Join's count of the running ranks (see
+:mod:`torchmetrics_varlen._join_session`). The side group is gloo whatever the job's backend: NCCL must not be driven
+from two threads at once, and the worker never touches CUDA (it sends CPU copies of the defaults, made on the main
+thread).
 
 Order: a joinable's hook that runs before the metrics' hook (DDP's) blocks until the running ranks reach their
 backward pass, after their per-step sync, which the metrics' hook has not started shadowing yet. So the metrics'
@@ -288,10 +288,10 @@ def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -
     starts the shadowing thread that DDP's hook waits on) and the model's post hook first (DDP's final model
     broadcast runs on every rank). The per-step syncs travel on the metrics' own process group until some rank has
     joined, then on a gloo side group. On exit, whatever happened, the metrics leave the join; an error of the
-    shadowing thread is raised once ``Join`` finished. Every rank of the world must enter the same ``join`` (the
-    first one on a process group makes its side group, a collective on the world). A plain ``Join`` works too when
-    it lists the metrics first (``Join([metric, ddp_model])``); one that lists them after another joinable raises
-    ``ValueError``.
+    shadowing thread is raised once ``Join`` finished. Every rank of the metrics' process group must enter the same
+    ``join`` (the first one on a process group makes its side group, with that group's ranks alone: each slice of a
+    ``DeviceMesh`` may run its own). A plain ``Join`` works too when it lists the metrics first
+    (``Join([metric, ddp_model])``); one that lists them after another joinable raises ``ValueError``.
 
     Args:
         model: the DDP model, another joinable (it then counts the running ranks itself, and the per-step syncs use
