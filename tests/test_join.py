@@ -239,11 +239,11 @@ def body_join_exchanges_take_sync_timeout(rank, world_size):
     original = engine.run
     seen = []
 
-    def recording(entries, group, **kwargs):
+    def recording(request):
         # The shadow runs in the Join worker thread; the terminate record comes from the main thread's post hook.
-        if threading.current_thread() is not threading.main_thread() or kwargs["label"] == "Join.terminate":
-            seen.append((kwargs["label"], kwargs.get("timeout")))
-        return original(entries, group, **kwargs)
+        if threading.current_thread() is not threading.main_thread() or request.label == "Join.terminate":
+            seen.append((request.label, request.timeout))
+        return original(request)
 
     engine.run = recording  # join.py looks it up at each call
     try:
@@ -426,12 +426,12 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
     original = engine.run
     handed = []
 
-    def recording(entries, group, **kwargs):
+    def recording(request):
         if threading.current_thread() is not MainThreadOnly.body_thread:  # the shadow
-            for entry in entries:
+            for entry in request.entries:
                 for tensor in entry if isinstance(entry, list) else [entry]:
                     handed.append((type(tensor).__name__, str(tensor.device)))
-        return original(entries, group, **kwargs)
+        return original(request)
 
     engine.run = recording
     try:
@@ -474,10 +474,10 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
     original = engine.run
     groups = []
 
-    def recording(entries, group, **kwargs):
-        if threading.current_thread() is threading.main_thread() and kwargs["label"] == "BatchMSE.step":
-            groups.append(group)
-        return original(entries, group, **kwargs)
+    def recording(request):
+        if threading.current_thread() is threading.main_thread() and request.label == "BatchMSE.step":
+            groups.append(request.group)
+        return original(request)
 
     engine.run = recording
     try:
@@ -635,3 +635,110 @@ def test_the_gpu_check_join_scenarios_pass_on_cpu(world_size):
         names = [name for name, _ in result]
         assert names == ["join-device-states", "join-plain-metrics-first", "join-metrics-alone"]
         assert all("CPU tensors only" in line for _, line in result[:2])
+
+
+# ------------------------------------------------------------------------- join on subgroups (a DeviceMesh's "dp")
+MESH_STEPS = [[5, 2, 0, 4], [1, 6, 3, 3], [4, 0, 2, 5]]  # per round, per rank; "dp" slices are ranks {0, 2}, {1, 3}
+
+
+def body_join_on_mesh_subgroups(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torchmetrics_varlen as tv
+
+    rounds = []
+    for round_index, steps in enumerate(MESH_STEPS):
+        # A fresh mesh each round: its "dp" groups are new, so each round makes side groups for two disjoint
+        # subgroups at once (the ranks of {0, 2} and of {1, 3} enter the side group's creation together).
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        group = tv.mesh_group(mesh, "dp")
+        metric = BatchMSE(process_group=group)
+        values = []
+        with tv.join(metric):
+            for x, y in _batches(rank, steps[rank], seed=20 + round_index):
+                values.append(metric(x[:, 0].double(), y))
+        rounds.append({"ranks": dist.get_process_group_ranks(group), "values": values, "epoch": metric.compute()})
+    # And as the loss of a model replicated over "dp" (DDP on the slice's group), on the last mesh's slices.
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double(), process_group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = BatchMSE(process_group=group)
+    seen_preds, seen_target = [], []
+    with tv.join(model, loss_fn):
+        for x, y in _batches(rank, MESH_STEPS[0][rank], seed=30):
+            preds = model(x.double()).squeeze(-1)
+            loss = loss_fn(preds, y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            seen_preds.append(preds.detach())
+            seen_target.append(y.double())
+    preds = torch.cat(seen_preds) if seen_preds else torch.empty(0, dtype=torch.float64)
+    target = torch.cat(seen_target) if seen_target else torch.empty(0, dtype=torch.float64)
+    all_p, all_t = torch.cat(gather_all_tensors(preds, group)), torch.cat(gather_all_tensors(target, group))
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    rounds.append({"epoch": loss_fn.compute(), "expected": ((all_p - all_t) ** 2).mean(), "weights": weights})
+    return rounds
+
+
+def test_join_on_two_mesh_subgroups_at_once_is_exact():
+    # Both "dp" slices run their own join at the same time, with uneven steps inside each slice (one rank none).
+    results = run_distributed(body_join_on_mesh_subgroups, 4, deadline=150)
+    for round_index, steps in enumerate(MESH_STEPS):
+        data = {r: _batches(r, steps[r], seed=20 + round_index) for r in range(4)}
+        for rank, result in enumerate(results):
+            got = result[round_index]
+            assert got["ranks"] == [rank % 2, rank % 2 + 2]
+            members = [data[r] for r in got["ranks"]]
+            assert len(got["values"]) == steps[rank]
+            for step, value in enumerate(got["values"]):  # the global batch of the slice's ranks still running
+                xs = torch.cat([b[step][0][:, 0] for b in members if step < len(b)]).double()
+                ys = torch.cat([b[step][1] for b in members if step < len(b)]).double()
+                torch.testing.assert_close(value, ((xs - ys) ** 2).mean())
+            xs = torch.cat([x[:, 0] for b in members for x, _ in b]).double()
+            ys = torch.cat([y for b in members for _, y in b]).double()
+            torch.testing.assert_close(got["epoch"], ((xs - ys) ** 2).mean())
+    for rank, result in enumerate(results):  # the DDP loss: exact over the slice, one model per slice after the join
+        torch.testing.assert_close(result[-1]["epoch"], result[-1]["expected"])
+        torch.testing.assert_close(result[-1]["weights"], results[rank % 2][-1]["weights"])
+
+
+def body_side_groups_of_disjoint_subgroups(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torchmetrics_varlen as tv
+    from torchmetrics_varlen import _join_shadow
+    from torchmetrics_varlen._waits import group_timeout
+
+    if rank == 0:
+        # A group only rank 0 knows: rank 0 now knows one group more than rank 2, its peer in "dp" below, and torch
+        # names a locally synchronised group after the number of groups the process knows.
+        dist.new_group([0], backend="gloo", use_local_synchronization=True)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for dim in ("dp", "tp"):  # "dp": {0, 2} and {1, 3}; then "tp": {0, 1} and {2, 3}, each pair at once
+        group = tv.mesh_group(mesh, dim)
+        side = _join_shadow.side_group(group, torch.device("cpu"))
+        total = torch.tensor([rank + 1])
+        dist.all_reduce(total, group=side)
+        out[dim] = {
+            "ranks": dist.get_process_group_ranks(side),
+            "sum": total.item(),
+            "backend": dist.get_backend(side),
+            "timeout": group_timeout(side, "cpu") == group_timeout(group, "cpu"),
+            "name": side.group_name,
+            "cached": _join_shadow.side_group(group, torch.device("cpu")) is side,
+        }
+    return out
+
+
+def test_side_groups_of_disjoint_subgroups_made_at_once():
+    results = run_distributed(body_side_groups_of_disjoint_subgroups, 4, deadline=60, fresh=True)
+    for rank, result in enumerate(results):
+        for dim, members in (("dp", [rank % 2, rank % 2 + 2]), ("tp", [rank // 2 * 2, rank // 2 * 2 + 1])):
+            got = result[dim]
+            assert got["ranks"] == members and got["sum"] == sum(r + 1 for r in members), (rank, dim)
+            assert got["backend"] == "gloo" and got["timeout"] and got["cached"], (rank, dim)
+            peer = results[members[0] if members[0] != rank else members[1]][dim]
+            assert got["name"] == peer["name"], (rank, dim)  # the peers made one group
+    assert results[0]["dp"]["name"] != results[1]["dp"]["name"]

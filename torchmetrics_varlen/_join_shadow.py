@@ -1,7 +1,8 @@
 """The Join side group and its exchanges: the shadow of a joined rank, the running ranks' step syncs, "terminate".
 
 Once some rank has joined, the per-step syncs of a join's metrics travel on a gloo *side group* (one per process
-group, made once), where a joined rank's worker thread answers each of them as a rank with an empty batch.
+group, made once by that group's ranks), where a joined rank's worker thread answers each of them as a rank with an
+empty batch.
 
 One side group carries every metric of a join, so the worker cannot know beforehand which metric the running ranks
 sync next. It sends the empty batch of the metric it expects (flagged :data:`FLAG_SHADOW`); when the exchanged
@@ -16,6 +17,7 @@ GPU would run on the stream the main thread shares with it, which the main threa
 completes only after the running ranks' next step sync: a circular wait.
 """
 
+import datetime
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _engine, _protocol, _transport
+from torchmetrics_varlen import _engine, _protocol, _transport, _waits
 from torchmetrics_varlen._state_sync import (
     StateDict,
     _warn_mean_of_means,
@@ -53,6 +55,7 @@ class JoinShadowError(RuntimeError):
 # world is a new key.
 _SIDE_GROUPS: "weakref.WeakKeyDictionary[Any, weakref.ref[Any]]" = weakref.WeakKeyDictionary()
 _SIDE_LOCK = threading.Lock()
+_SIDE_DESC = "torchmetrics_varlen_join_side"  # what torch's logs and traces call the side groups
 
 
 def cached_side_group(group: Any) -> Any:
@@ -63,17 +66,64 @@ def cached_side_group(group: Any) -> Any:
     return ref() if ref is not None else None
 
 
-def side_group(group: Any) -> Any:
-    """The gloo side group of ``group``, made on first use: a collective on the world (every rank gets here alike)."""
+def side_group(group: Any, device: torch.device) -> Any:
+    """The gloo side group of ``group``, made on first use by the ranks of ``group`` (each of them gets here alike).
+
+    Args:
+        group: the metrics' process group (the world when None).
+        device: the device ``Join`` counts the ranks on for ``group`` (the metrics' ``join_device``).
+    """
     side = cached_side_group(group)
     if side is None:
         key = dist.group.WORLD if group is None else group
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        # gloo whatever the job's backend: the worker thread must not drive an NCCL communicator.
-        side = dist.new_group(ranks=ranks, backend="gloo")
+        side = _make_side_group(key, device)
         with _SIDE_LOCK:
             _SIDE_GROUPS[key] = weakref.ref(side)
     return side
+
+
+def _make_side_group(group: Any, device: torch.device) -> Any:
+    """A gloo group of the ranks of ``group``, with ``group``'s timeout; only those ranks take part.
+
+    gloo whatever the job's backend: the worker thread must not drive an NCCL communicator.
+    """
+    timeout = datetime.timedelta(seconds=_waits.group_timeout(group, device.type))
+    if group is dist.group.WORLD:  # every rank is a member: torch's plain contract, as a collective on the world
+        return dist.new_group(ranks=None, backend="gloo", timeout=timeout, group_desc=_SIDE_DESC)
+    # The ranks of another subgroup (the other "dp" slice of a mesh) make their own side group at the same time, so
+    # the world cannot enter one `new_group` together, and torch's counter-based names would give both side groups
+    # one name (colliding rendezvous keys). With `use_local_synchronization` only the members take part, and torch
+    # names the group by a hash of its ranks and of how many groups the process knows (`_process_group_name`,
+    # `_hash_ranks_to_str`): distinct for disjoint rank sets, equal on the members once they know equally many.
+    _equalise_known_groups(group, device)
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(
+        ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True, group_desc=_SIDE_DESC
+    )
+
+
+def _known_groups() -> int:
+    # What `_hash_ranks_to_str` counts: the groups this process is registered in (torch's private `_world`; the
+    # subgroup tests fail if a release renames it).
+    return len(dist.distributed_c10d._world.pg_names)
+
+
+def _equalise_known_groups(group: Any, device: torch.device) -> None:
+    """Make every rank of ``group`` know as many process groups as the one that knows most (a collective on it).
+
+    A rank that made groups the others are not in (``new_group`` registers a group on its members only) knows more
+    of them, and would hash another name for the side group, so that the members would never meet. The others make
+    one-rank gloo groups until the counts agree (each is named after its one rank: nothing to collide with).
+    """
+    mine = _known_groups()
+    counts = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    most, fewest = int(counts[0].item()), -int(counts[1].item())
+    if most == fewest:
+        return
+    rank = dist.get_rank()
+    for _ in range(most - mine):
+        dist.new_group(ranks=[rank], backend="gloo", use_local_synchronization=True, group_desc=_SIDE_DESC + "_pad")
 
 
 # ------------------------------------------------------------------------------------------------------ records
