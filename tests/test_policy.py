@@ -265,14 +265,15 @@ def test_forced_policy_is_scoped_to_the_block():
 
 
 def test_forced_policy_is_per_thread():
-    # A learnt sync reads it at every sync (`forced_policy`): unset, every thread reads the class default None.
+    # Tests force a policy for the syncs of one thread: the Join worker thread, syncing meanwhile, keeps its own.
+    cpu = torch.device("cpu")
     seen = []
     with _policy.forced(backend="nccl") as policy:
-        worker = threading.Thread(target=lambda: seen.append(_policy.forced_policy()))
+        worker = threading.Thread(target=lambda: seen.append(_policy._FORCED.policy))  # what policy_for reads first
         worker.start()
         worker.join()
-        assert _policy.forced_policy() is policy
-    assert seen == [None] and _policy.forced_policy() is None
+        assert _policy.policy_for(None, cpu) is policy
+    assert seen == [None] and _policy._FORCED.policy is None
 
 
 def test_reduce_mode_from_the_environment(monkeypatch):
