@@ -13,8 +13,23 @@ rank, plus a heartbeat counter:
   to the sync (the one rank computing in ``compute_on_rank``; a rank inside ``join``), the counter raised every
   ``BEAT`` seconds by a thread. A waiting rank whose timeout expired keeps waiting while every peer that has not
   arrived is busy and its counter moves: alive and working, not missing.
-* **exited** ``"normal"``: written at interpreter exit (``atexit``) by a process that took part in a sync. A peer
-  whose connection closed and that left this note ended normally: it did not crash, it ran fewer syncs.
+* **exited** ``"normal"`` or ``"exception <type>"``: written at interpreter exit (``atexit``) by a process that took
+  part in a sync, saying whether an uncaught exception ended it (see :func:`_uncaught`). A peer whose connection
+  closed and that left ``"normal"`` ended normally: it did not crash, it ran fewer syncs.
+
+**Store traffic.** The first note a process writes to a store creates all three of its keys at once (``multi_set``)
+and adds its rank to a roster key (``append``); every later note is one ``set``. So a waiting rank reads every peer's
+notes in a constant number of store operations, whatever the world size ``W``: one ``compare_set`` that reads the
+roster (or creates it empty), then one ``multi_get`` of the ``3 x (W - 1)`` keys of the listed peers (keys that
+exist: ``multi_get`` would wait for a missing one). A look at where the peers are is **2** store operations (it
+was up to ``6 (W - 1)`` sequential ones), a look at busy peers' heartbeats **1**; only the bytes read grow with
+``W``. A store without these operations (one written in Python) is read key by key, as before.
+
+**Bounded.** Every store operation here runs on a thread of its own and is given up after ``STORE_ANSWER`` seconds:
+a store whose host process is frozen (stopped, swapping, deadlocked) answers nothing until the store's own timeout
+(the group's, 30 minutes by default), and a rank must still raise its error within about its timeout. Once an
+operation was given up, none is started until it returns (so threads do not pile up, and a late write cannot land
+after a newer one), and the errors say that the store did not answer.
 
 The store is reached through a private function of ``torch.distributed`` (covered by a test); without it, errors name
 no ranks and nothing waits longer than the timeout. Nothing here runs on a sync that completes within ``NOTE_AFTER``.
@@ -22,6 +37,7 @@ no ranks and nothing waits longer than the timeout. Nothing here runs on a sync 
 
 import atexit
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Generator
@@ -31,7 +47,14 @@ import torch.distributed as dist
 
 NOTE_AFTER = 1.0  # seconds of waiting before a rank notes where it waits
 BEAT = 2.0  # seconds between heartbeats of a busy process: one store increment each, per busy process
+STORE_ANSWER = 3.0  # seconds a store operation may take before the store is taken as not answering
 _PREFIX = "torchmetrics_varlen"
+_ROSTER = f"{_PREFIX}/roster"  # "<rank>,<rank>,...": the processes whose note keys exist
+_KINDS = ("waiting", "exited", "busy")  # the note keys of a process, created together
+
+
+class StoreSilentError(RuntimeError):
+    """The store did not answer an operation within ``STORE_ANSWER`` seconds (its host process may be frozen)."""
 
 
 def store() -> Any:
@@ -46,20 +69,94 @@ def _key(kind: str, global_rank: int) -> str:
     return f"{_PREFIX}/{kind}/{global_rank}"
 
 
-def read(store_: Any, kind: str, global_rank: int) -> str:
-    """A peer's note of ``kind`` ("" when it left none)."""
-    key = _key(kind, global_rank)
-    return str(store_.get(key).decode(errors="replace")) if store_.check([key]) else ""
+# ------------------------------------------------------------------------------------------------ bounded store calls
+_GIVEN_UP: list[threading.Thread] = []  # the thread of an operation the store did not answer in time
 
 
-def write(store_: Any, kind: str, text: str) -> None:
-    """This process's note of ``kind``; a store that went away must not hide the real problem."""
+def store_silent() -> bool:
+    """Whether an operation the store did not answer in time is still pending (no other is started meanwhile)."""
+    return bool(_GIVEN_UP) and _GIVEN_UP[0].is_alive()
+
+
+def _ask(store_: Any, operation: str, *args: Any) -> Any:
+    """``store_.<operation>(*args)``, given up with :class:`StoreSilentError` after ``STORE_ANSWER`` seconds."""
+    if store_silent():
+        raise StoreSilentError(f"the store did not answer within {STORE_ANSWER:g} s")
+    answer: list[tuple[bool, Any]] = []
+
+    def call() -> None:
+        try:
+            answer.append((True, getattr(store_, operation)(*args)))
+        except BaseException as err:  # handed to the caller's thread
+            answer.append((False, err))
+
+    thread = threading.Thread(target=call, name="torchmetrics-varlen-store", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # no new thread at interpreter shutdown (Python 3.12+, in atexit handlers): ask directly
+        return getattr(store_, operation)(*args)
+    thread.join(STORE_ANSWER)
+    if not answer:  # the daemon thread stays blocked until the store answers or the process ends
+        _GIVEN_UP[:] = [thread]
+        raise StoreSilentError(f"the store did not answer `{operation}` within {STORE_ANSWER:g} s")
+    done, value = answer[0]
+    if not done:
+        raise value
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------- notes
+_LISTED: list[Any] = []  # the stores this process created its note keys in (and listed itself in the roster of)
+_LIST_LOCK = threading.Lock()  # the main thread, a busy scope's thread and atexit may write a first note at once
+
+
+def write(store_: Any, kind: str, text: str, rank: int | None = None) -> None:
+    """This process's note of ``kind`` (as global ``rank``: the current one where None).
+
+    A store that went away or does not answer must not hide the real problem: nothing is raised.
+    """
     if store_ is None:
         return
+    rank = dist.get_rank() if rank is None else rank
     try:
-        store_.set(_key(kind, dist.get_rank()), text)
-    except RuntimeError:
-        pass
+        with _LIST_LOCK:
+            if any(listed is store_ for listed in _LISTED):
+                _ask(store_, "set", _key(kind, rank), text)
+                return
+            values = [text if each == kind else "" for each in _KINDS]
+            _ask(store_, "multi_set", [_key(each, rank) for each in _KINDS], values)
+            _ask(store_, "append", _ROSTER, f"{rank},")  # after the keys: a listed rank's keys all exist
+            _LISTED.append(store_)
+    except (RuntimeError, NotImplementedError, AttributeError):  # a store without multi_set: the note alone
+        with contextlib.suppress(RuntimeError):
+            if not store_silent():
+                _ask(store_, "set", _key(kind, rank), text)
+
+
+def read_notes(store_: Any, global_ranks: list[int]) -> dict[int, tuple[str, str, str]]:
+    """The ``(waiting, exited, busy)`` notes of ``global_ranks`` ("" where none): two store operations in all."""
+    try:
+        roster = _ask(store_, "compare_set", _ROSTER, "", "")  # the roster, or an empty one made: one operation
+        listed = {int(rank) for rank in bytes(roster).decode().split(",") if rank}
+        ranks = [rank for rank in global_ranks if rank in listed]
+        keys = [_key(kind, rank) for rank in ranks for kind in _KINDS]
+        values = [bytes(value).decode(errors="replace") for value in _ask(store_, "multi_get", keys)] if keys else []
+    except StoreSilentError:
+        raise
+    except (RuntimeError, NotImplementedError, AttributeError):  # a store without these operations: key by key
+        return {
+            rank: (_read(store_, "waiting", rank), _read(store_, "exited", rank), _read(store_, "busy", rank))
+            for rank in global_ranks
+        }
+    notes = {rank: ("", "", "") for rank in global_ranks}
+    for index, rank in enumerate(ranks):
+        notes[rank] = (values[3 * index], values[3 * index + 1], values[3 * index + 2])
+    return notes
+
+
+def _read(store_: Any, kind: str, global_rank: int) -> str:
+    key = _key(kind, global_rank)
+    return str(_ask(store_, "get", key).decode(errors="replace")) if _ask(store_, "check", [key]) else ""
 
 
 def peers(group: Any) -> list[tuple[str, int]]:
@@ -76,41 +173,54 @@ def peers(group: Any) -> list[tuple[str, int]]:
 def where_peers_are(store_: Any, group: Any, note: str) -> dict[str, list[tuple[str, int, str]]] | None:
     """The peers of ``group`` that have not arrived at the sync of ``note``, by where they are.
 
-    Keys: "exited" (ended normally), "elsewhere" (waiting at another sync; the text is that note), "busy" (alive in a
-    busy scope; the text says what it does), "missing" (none of these). None when the store cannot be read.
+    Keys: "exited" (ended; the text is the exit note), "elsewhere" (waiting at another sync; the text is that note),
+    "busy" (alive in a busy scope; the text says what it does), "missing" (none of these). None when the store cannot
+    be read (:func:`store_silent` tells whether it did not answer).
     """
     if store_ is None:
         return None
     tag, number, _ = note.split("|", 2)
     found: dict[str, list[tuple[str, int, str]]] = {"exited": [], "elsewhere": [], "busy": [], "missing": []}
+    named = peers(group)
     try:
-        for name, global_rank in peers(group):
-            seen = read(store_, "waiting", global_rank)
-            if seen:
-                if tuple(seen.split("|", 2)[:2]) != (tag, number):
-                    found["elsewhere"].append((name, global_rank, seen))
-                continue  # the same sync: arrived
-            if read(store_, "exited", global_rank):
-                found["exited"].append((name, global_rank, ""))
-                continue
-            busy = read(store_, "busy", global_rank)
-            found["busy" if busy else "missing"].append((name, global_rank, busy))
+        notes = read_notes(store_, [global_rank for _, global_rank in named])
     except (RuntimeError, ValueError):
         return None
+    for name, global_rank in named:
+        seen, exited, busy_with = notes[global_rank]
+        if seen:
+            if tuple(seen.split("|", 2)[:2]) != (tag, number):
+                found["elsewhere"].append((name, global_rank, seen))
+            continue  # the same sync: arrived
+        if exited:
+            found["exited"].append((name, global_rank, exited))
+            continue
+        found["busy" if busy_with else "missing"].append((name, global_rank, busy_with))
     return found
 
 
+def crashed(found: dict[str, list[tuple[str, int, str]]]) -> list[tuple[str, int, str]]:
+    """The exited peers of ``found`` whose exit note says an uncaught exception ended them."""
+    return [entry for entry in found["exited"] if entry[2].startswith("exception")]
+
+
 def describe(found: dict[str, list[tuple[str, int, str]]] | None) -> str:
-    """The sentences of an error that say where the peers are (empty when the store could not be read)."""
+    """The sentences of an error that say where the peers are (only that the store did not answer, where so)."""
     if found is None:
-        return ""
+        silent = "The store did not answer (its host process, usually rank 0, may be frozen): no rank can be named."
+        return silent if store_silent() else ""
     parts: list[str] = []
     if found["missing"]:
         names = ", ".join(name for name, _, _ in found["missing"])
         parts.append(f"Missing: ranks [{names}] are not waiting at any torchmetrics_varlen sync.")
-    if found["exited"]:
-        names = ", ".join(name for name, _, _ in found["exited"])
-        parts.append(f"Exited: ranks [{names}] ended their process normally (no crash): they ran fewer syncs.")
+    ended = crashed(found)
+    normal = [entry for entry in found["exited"] if entry not in ended]
+    if normal:
+        names = ", ".join(name for name, _, _ in normal)
+        parts.append(f"Exited: ranks [{names}] exited normally (no crash): they ran fewer syncs.")
+    if ended:
+        names = ", ".join(f"{name} ({text.partition(' ')[2] or 'exception'})" for name, _, text in ended)
+        parts.append(f"Crashed: ranks [{names}] exited after an uncaught exception: read their logs.")
     for name, _, text in found["busy"]:
         parts.append(f"Rank {name} is still busy: {text}.")
     for name, _, seen in found["elsewhere"]:
@@ -125,8 +235,14 @@ def describe(found: dict[str, list[tuple[str, int, str]]] | None) -> str:
 
 
 def beats(store_: Any, global_ranks: list[int]) -> list[int]:
-    """The heartbeat counters of ``global_ranks`` (a counter that moves: that process is alive)."""
-    return [int(store_.add(_key("beat", rank), 0)) for rank in global_ranks]
+    """The heartbeat counters of ``global_ranks`` (a counter that moves: that process is alive): one operation."""
+    keys = [_key("beat", rank) for rank in global_ranks]
+    try:
+        return [int(value) for value in _ask(store_, "multi_get", keys)]
+    except StoreSilentError:
+        raise
+    except (NotImplementedError, AttributeError):
+        return [int(_ask(store_, "add", key, 0)) for key in keys]
 
 
 # ----------------------------------------------------------------------------------------------------- busy scopes
@@ -139,8 +255,8 @@ def _beat(store_: Any, rank: int, stop: threading.Event) -> None:
     key = _key("beat", rank)
     while not stop.wait(BEAT):
         try:
-            store_.add(key, 1)
-        except RuntimeError:  # the store went away: nobody is left to read the beats
+            _ask(store_, "add", key, 1)
+        except RuntimeError:  # the store went away or does not answer: nobody can read the beats
             return
 
 
@@ -154,6 +270,8 @@ def busy(what: str) -> Generator[None, None, None]:
     rank = dist.get_rank()
     with _BUSY_LOCK:
         _BUSY.append(what)
+        with contextlib.suppress(RuntimeError):  # the counter exists before the note: peers read both at once
+            _ask(store_, "add", _key("beat", rank), 0)
         write(store_, "busy", what)
         # Not waiting at any sync now: a note left by a sync that raised would make this rank look stuck there.
         write(store_, "waiting", "")
@@ -183,7 +301,7 @@ _ARMED_WORLD: list[Any] = []  # the default group that was current when the note
 
 
 def arm_exit_note() -> None:
-    """Leave an "exited normally" note in the store at interpreter exit (once per store; every sync arms it).
+    """Leave an exit note in the store at interpreter exit (once per store; every sync arms it).
 
     The store and rank are captured now: by exit time the process group may be destroyed, but a peer still waiting
     can read the store (it lives on as long as its host process does).
@@ -204,7 +322,18 @@ def arm_exit_note() -> None:
 
 
 def _write_exit(store_: Any, rank: int) -> None:
-    try:
-        store_.set(_key("exited", rank), "normal")
-    except RuntimeError:  # the store's host exited first: nobody is left waiting
-        pass
+    write(store_, "exited", _exit_kind(), rank)  # the group may be destroyed by now: the rank armed with
+
+
+def _exit_kind() -> str:
+    """What ends this process: "normal", or "exception <type>" where an uncaught exception does.
+
+    The interpreter stores an exception that reached the top of the main thread in ``sys.last_exc`` (Python 3.12+)
+    and ``sys.last_value`` before it prints it and finalizes, that is before the ``atexit`` handlers run. That is read
+    rather than ``sys.excepthook`` wrapped: whatever replaces the hook later (rich tracebacks, a logging framework)
+    does not hide it, and ``sys.exit()`` (SystemExit) does not set it. A launcher that catches its process's
+    exception itself (``multiprocessing``'s process bootstrap, ``torch.multiprocessing.spawn``) leaves no trace of it
+    here: such a rank reads as exited normally (the error is in its log).
+    """
+    exception = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return "normal" if exception is None else f"exception {type(exception).__name__}"

@@ -369,6 +369,8 @@ def _failure(
             break
         time.sleep(0.05)
         found = _presence.where_peers_are(store, group, note)
+    if found is not None and _presence.crashed(found):  # their exit notes say an uncaught exception ended them
+        return SyncPeerError(_peer_message(what, group, message, _presence.crashed(found)))
     if found is not None and found["exited"]:
         return SyncTimeoutError(_exited_message(what, group, found))
     if _BACKEND_TIMEOUT.search(message):
@@ -422,11 +424,16 @@ def _exited_message(what: str, group: ProcessGroup | None, found: dict[str, Any]
     )
 
 
-def _peer_message(what: str, group: ProcessGroup | None, error: str) -> str:
+def _peer_message(
+    what: str, group: ProcessGroup | None, error: str, crashed: list[tuple[str, int, str]] | None = None
+) -> str:
     rank = dist.get_rank(group)
     first = error.strip().splitlines()[0] if error.strip() else "no message"
+    names = ", ".join(f"{name} ({text.partition(' ')[2] or 'exception'})" for name, _, text in crashed or [])
+    who = f"ranks [{names}] exited after an uncaught exception" if crashed else "another rank of the group crashed"
+    who += "" if crashed else " or closed its connection"
     return (
-        f"{what}: rank {rank} lost a peer during the sync: another rank of the group crashed or closed its connection"
-        f" (the backend said: {first}). Check the logs of the other ranks for the original error; this process group"
-        " cannot be used any more."
+        f"{what}: rank {rank} lost a peer during the sync: {who} (the backend said: {first}). Check the logs of"
+        f" {'those ranks' if crashed else 'the other ranks'} for the original error; this process group cannot be"
+        " used any more."
     )
