@@ -90,27 +90,36 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     world = _transport.world_of(group)
     if world is None:
         return [result]
-    rank, _ = world
+    return _per_rank(_sync(result, group, sync_grads), result, world[0])
+
+
+def _sync(result: Tensor, group: Any | None, sync_grads: bool) -> "_engine.Synced":
+    """The engine's sync of ``result`` across ``group``: one entry, no metric."""
+    request = _engine.Request(
+        [result],
+        group,
+        _GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
+        "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
+        _waits.default_timeout(),
+        # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
+        flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
+        grad="always",
+        names=_tensor_name,
+        # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is
+        # the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked, and
+        # torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
+        device=None,
+    )
     try:
-        request = _engine.Request(
-            [result],
-            group,
-            _GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
-            "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
-            _waits.default_timeout(),
-            # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
-            flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
-            grad="always",
-            names=_tensor_name,
-            # No metric here: the tensor is all there is. It never picks the backend of a group with several (that
-            # is the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked,
-            # and torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
-            device=None,
-        )
         synced = _engine.run(request)
     except SyncTimeoutError as err:  # the waiting ranks: name the case the hook cannot help with
         raise SyncTimeoutError(str(err) + HOOK_LIMIT) from err
     assert synced is not None  # no `stop` given
+    return synced
+
+
+def _per_rank(synced: "_engine.Synced", result: Tensor, rank: int) -> list[Tensor]:
+    """One tensor per rank, this rank's being the caller's own object where it keeps an autograd graph."""
     gathered = synced.results[0]
     per_rank: list[Tensor] = list(gathered.tensor.unbind(0)) if isinstance(gathered, Stacked) else list(gathered)  # type: ignore[union-attr, arg-type]
     dtype = synced.plan.entries[0].dtype
