@@ -319,3 +319,13 @@ def test_no_timer_of_ours_is_bounded_by_the_group_where_we_poll():
 def test_broadcast_rounds_are_grouped_on_nccl_only(backend, device, grouped):
     # NCCL runs a list all_gather of unequal sizes as one group of broadcasts; gloo's takes equal sizes only.
     assert decide(Facts(backend, device, current_cuda=0)).grouped_broadcasts is grouped
+
+
+def test_a_timeout_on_nccl_says_the_watchdog_ends_the_process(monkeypatch):
+    # Issue 34 item 10: on NCCL the watchdog tears the process down at the group's timeout, just after our error.
+    limits = _waits.limits_for(None, 600.0, "poll")
+    monkeypatch.setattr(_waits.dist, "get_rank", lambda group=None: 1)
+    for backend, said in (("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False)):
+        monkeypatch.setattr(_waits._policy, "backend_of", lambda group, b=backend: b)
+        message = _waits._timeout_message("sync of X", 590.0, "`sync_timeout`", limits, None)
+        assert ("the watchdog ends this process when the group's timeout (600 s) expires" in message) is said, message
