@@ -231,12 +231,10 @@ def broadcast_all(
     once they are started, before the wait.
     """
     works = [
-        dist.broadcast(tensor, src=_global_rank(group, src), group=group, async_op=True) for src, tensor in sections
+        (dist.broadcast(tensor, src=_global_rank(group, src), group=group, async_op=True), tensor.device.type)
+        for src, tensor in sections
     ]
-    if meanwhile is not None:
-        meanwhile()
-    for work, (_, tensor) in zip(works, sections, strict=True):
-        _wait(work, group, wait, timeout, what, tensor.device.type)
+    _wait_all(works, group, wait, timeout, what, meanwhile)
 
 
 def gather_rounds(
@@ -254,11 +252,10 @@ def gather_rounds(
     (``ProcessGroupNCCL::allgather``), where separate broadcasts would run one after the other: ``W`` ring broadcasts
     in series. Every rank passes the same sizes in the same order; its own tensor is its input and its output.
     """
-    works = [dist.all_gather(parts, parts[rank], group=group, async_op=True) for parts in rounds]
-    if meanwhile is not None:
-        meanwhile()
-    for work, parts in zip(works, rounds, strict=True):
-        _wait(work, group, wait, timeout, what, parts[rank].device.type)
+    works = [
+        (dist.all_gather(parts, parts[rank], group=group, async_op=True), parts[rank].device.type) for parts in rounds
+    ]
+    _wait_all(works, group, wait, timeout, what, meanwhile)
 
 
 def send_to_rank(
@@ -289,11 +286,8 @@ def send_to_rank(
         if rank == src:
             out_of[dst] = data.numel()
         received, sent = (data, nothing) if rank == dst else (nothing, data if rank == src else nothing)
-        works.append(dist.all_to_all_single(received, sent, into, out_of, group=group, async_op=True))
-    if meanwhile is not None:
-        meanwhile()
-    for work in works:
-        _wait(work, group, wait, timeout, what, device.type)
+        works.append((dist.all_to_all_single(received, sent, into, out_of, group=group, async_op=True), device.type))
+    _wait_all(works, group, wait, timeout, what, meanwhile)
 
 
 def agree_allocation(
@@ -327,11 +321,24 @@ def all_reduce(
 ) -> None:
     """All-reduce each ``(buffer, op)`` in place: all started at once, then waited for."""
     works = [
-        dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True)
+        (dist.all_reduce(buffer, op=getattr(dist.ReduceOp, _OPS[op]), group=group, async_op=True), buffer.device.type)
         for buffer, op in buffers
     ]
-    device_type = buffers[0][0].device.type if buffers else "cpu"
-    for work in works:
+    _wait_all(works, group, wait, timeout, what)
+
+
+def _wait_all(
+    works: list[tuple[Any, str]],
+    group: ProcessGroup | None,
+    wait: str,
+    timeout: float | None,
+    what: str,
+    meanwhile: Callable[[], None] | None = None,
+) -> None:
+    """Run ``meanwhile`` (the works are started), then wait for each ``(work, device type)`` in order."""
+    if meanwhile is not None:
+        meanwhile()
+    for work, device_type in works:
         _wait(work, group, wait, timeout, what, device_type)
 
 
