@@ -160,7 +160,8 @@ def gpu(session: nox.Session) -> None:
 
     One process per GPU; with one GPU, two processes sharing it (NCCL needs a GPU per rank, so they run the CUDA
     states over gloo scenarios), then ``benchmarks.gpu_one_rank``, a 1-rank NCCL world in which the engine issues its
-    real NCCL calls (the one-GPU mode). Last, ``benchmarks/gpu_measure.py`` prints what a sync costs on that machine.
+    real NCCL calls (the one-GPU mode). Last, ``python -m benchmarks.gpu_measure`` prints what a sync costs on that
+    machine.
     No GPU: it says so and exits 0. Arguments after ``--`` go to the check;
     ``nox -s gpu -- --list`` prints the scenarios' names, with or without a GPU.
     """
@@ -197,4 +198,4 @@ def gpu(session: nox.Session) -> None:
     )
     if gpus == 1:  # the one-GPU mode's other half: a 1-rank NCCL world in which the engine issues its NCCL calls
         session.run("python", "-m", "benchmarks.gpu_one_rank")
-    session.run("python", "benchmarks/gpu_measure.py")  # what a sync costs there: time, collectives, copies, memory
+    session.run("python", "-m", "benchmarks.gpu_measure")  # what a sync costs there: time, collectives, copies, memory

@@ -2,8 +2,8 @@
 
 Two ways to run it, from the repository root, with a CUDA build of torch:
 
-    python benchmarks/gpu_measure.py                      # one GPU: a 1-rank NCCL world, the engine forced to sync
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/gpu_measure.py   # one GPU per rank
+    python -m benchmarks.gpu_measure     # one GPU: a 1-rank NCCL world, the engine forced to sync
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.gpu_measure   # one GPU per rank
 
 NCCL refuses two ranks on one GPU, and the package skips every sync in a group of one, so with a single process the
 script patches the package's world lookup to answer ``(0, 1)``: the engine then issues its real NCCL calls on a 1-rank
@@ -32,6 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.bench import eight_metric_members
+from benchmarks.gpu_one_rank import force_sync_in_a_group_of_one
+
 
 def _init(cpu: bool) -> tuple[torch.device, int, int]:
     single = "RANK" not in os.environ
@@ -51,16 +54,6 @@ def _init(cpu: bool) -> tuple[torch.device, int, int]:
         extra = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timeout, **extra)
     return device, dist.get_rank(), dist.get_world_size()
-
-
-def _force_sync_at_world_one() -> None:
-    """Make the package sync in a group of one (a private name of the package, patched for this measurement only)."""
-    from torchmetrics_varlen import _transport
-
-    original = _transport.world_of
-    _transport.world_of = lambda group: (
-        original(group) or ((dist.get_rank(group), 1) if dist.is_initialized() else None)
-    )
 
 
 def _finish(device: torch.device) -> None:
@@ -135,30 +128,14 @@ def _small(device: torch.device, rank: int) -> dict[str, Any]:
 
 def _eight(device: torch.device, rank: int) -> dict[str, Any]:
     from torchmetrics import MetricCollection as Stock
-    from torchmetrics.classification import (
-        MulticlassAccuracy,
-        MulticlassAUROC,
-        MulticlassF1Score,
-        MulticlassPrecision,
-        MulticlassRecall,
-    )
-    from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, PearsonCorrCoef
 
     from torchmetrics_varlen import MetricCollection
 
-    def members() -> dict[str, Any]:
-        return {
-            "acc": MulticlassAccuracy(num_classes=5),
-            "prec": MulticlassPrecision(num_classes=5),
-            "rec": MulticlassRecall(num_classes=5),
-            "f1": MulticlassF1Score(num_classes=5),
-            "auroc": MulticlassAUROC(num_classes=5, thresholds=None),
-            "mse": MeanSquaredError(),
-            "mae": MeanAbsoluteError(),
-            "pearson": PearsonCorrCoef(),
-        }
-
-    out = {"stock": Stock(members()).to(device), "ours": MetricCollection(members()).to(device)}
+    # The benchmark's collection, each side its own instances.
+    out = {
+        "stock": Stock(eight_metric_members()).to(device),
+        "ours": MetricCollection(eight_metric_members()).to(device),
+    }
     gen = torch.Generator().manual_seed(rank)
     n = 700 + 300 * rank
     for start in range(0, n, 64):
@@ -215,7 +192,7 @@ def main() -> int:
     args = parser.parse_args()
     device, rank, world = _init(args.cpu)
     if world == 1:
-        _force_sync_at_world_one()
+        force_sync_in_a_group_of_one()
     import torchmetrics
 
     import torchmetrics_varlen as tv
