@@ -52,7 +52,7 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   sleeping.
 * **Data path.** The padded equal-size gather (``all_gather_into_tensor``) on every backend, ``all_reduce`` for the
   dense states the plan routes there, and one ``broadcast`` per rank straight into the result for the states whose
-  largest rank holds at least ``broadcast_min`` bytes (see ``_plan._route_data``). ``broadcast_min`` is the cost
+  largest rank holds at least ``broadcast_min`` bytes (see ``_routes.route_data``). ``broadcast_min`` is the cost
   model's one constant: the bytes whose transfer costs what one more collective does. Measured on gloo (2-8 CPU
   processes, docs page "How the sync works"): 128 KiB. On NCCL it is 4 MiB, a choice from NCCL's documented latency
   and bandwidth, **not measured** (one GPU cannot: NCCL refuses two ranks on it). On NCCL each round of the route
