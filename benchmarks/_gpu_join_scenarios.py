@@ -17,7 +17,7 @@ from torch.distributed.algorithms.join import Join
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, Scenario, _BatchMSE, _close
-from torchmetrics_varlen import _engine
+from torchmetrics_varlen import _engine, _repeat
 
 __all__ = ["SCENARIOS"]
 
@@ -29,9 +29,17 @@ class _Recorder:
         self.worker_tensors: list[tuple[str, str]] = []
         self.main_groups: list[Any] = []
         self._original: Callable[..., Any] = _engine.run
+        self._original_repeat: Callable[..., Any] = _repeat.sync
 
     def __enter__(self) -> "_Recorder":
-        original = self._original
+        original, original_repeat = self._original, self._original_repeat
+
+        def repeating(template: Any, states: Any, group: Any, timeout: Any, what: str) -> Any:
+            out = original_repeat(template, states, group, timeout, what)
+            main = threading.current_thread() is threading.main_thread()
+            if main and isinstance(out, list) and what.endswith(".step"):  # else the engine's run records it
+                self.main_groups.append(group)
+            return out
 
         def recording(request: _engine.Request) -> Any:
             if threading.current_thread() is threading.main_thread():
@@ -45,10 +53,12 @@ class _Recorder:
             return original(request)
 
         _engine.run = recording  # looked up at call time
+        _repeat.sync = repeating  # a repeated step sync takes the fast path, not the engine's run
         return self
 
     def __exit__(self, *exc: object) -> None:
         _engine.run = self._original
+        _repeat.sync = self._original_repeat
 
     def check_worker(self) -> None:
         found = set(self.worker_tensors)

@@ -1,85 +1,148 @@
-"""A repeated small sync (the one fast path): the learnt results are unpack_inline's, and a sync whose metadata
-changed on any rank goes the long way on every rank, exact against single-process references."""
+"""The one fast path (``_repeat``): a repeated small sync sends what the long way sends, takes the learnt plan only
+for the learnt table, and hands off to the long way otherwise, exact against single-process references."""
 
-import math
+import gc
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import run_distributed
+from torchmetrics.classification import BinaryAccuracy
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import _buffers, _plan, _protocol, _repeat
-
-SHAPES = [(), (3,), (2, 2), (1,)]
-DTYPES = [
-    (torch.int64, torch.int64, torch.int64, torch.int64),
-    (torch.float32, torch.int64, torch.bool, torch.float16),
-    (torch.complex64, torch.int8, torch.float64, torch.int32),
-]
+from torchmetrics_varlen import _device_record, _plan, _repeat, _transport, rebase
 
 
-def _entries(dtypes, scale):
-    return [(torch.arange(math.prod(s)) * scale - 2).reshape(s).to(d) for s, d in zip(SHAPES, dtypes)]
+def _sent_records(metric, syncs, fast):
+    """The records ``metric``'s ``syncs`` syncs sent (each as a list of words), with the fast path on or off."""
+    sent = []
+    original = _transport.exchange_records
+
+    def recording(record, *args):
+        sent.append(list(record))
+        return original(record, *args)
+
+    _transport.exchange_records, enabled, _repeat.ENABLED = recording, _repeat.ENABLED, fast
+    try:
+        for _ in range(syncs):
+            metric.sync()
+            metric.unsync()
+    finally:
+        _transport.exchange_records, _repeat.ENABLED = original, enabled
+    return sent
 
 
-def _table(records):
-    words = max(map(len, records)) + 6  # the group's agreed length: zeros after each record
-    return torch.tensor([list(record) + [0] * (words - len(record)) for record in records])
+def _same_bytes_body(rank, world_size, device_record):
+    """The fast path's records are the long way's, byte for byte, for host and (forced onto the CPU) device records."""
+    _device_record.ON_THE_CPU_TOO = device_record
+    try:
+        metric = rebase(BinaryAccuracy)()
+        metric.update(torch.rand(7 + rank), torch.randint(0, 2, (7 + rank,)))
+        taken = []
+        original = _repeat.sync
+
+        def counted(*args):
+            out = original(*args)
+            taken.append(isinstance(out, list))
+            return out
+
+        _repeat.sync = counted
+        try:
+            fast = _sent_records(metric, 3, fast=True)
+        finally:
+            _repeat.sync = original
+        long_way = _sent_records(metric, 3, fast=False)
+    finally:
+        _device_record.ON_THE_CPU_TOO = False
+    assert taken == [True, True], taken  # the first sync learnt, the next two took the fast path
+    assert fast == long_way, (fast, long_way)
+    stock = BinaryAccuracy(sync_on_compute=False)
+    torch.manual_seed(0)
+    metric.reset()
+    for other in range(world_size):
+        preds, target = torch.rand(9 + other), torch.randint(0, 2, (9 + other,))
+        stock.update(preds, target)
+        if other == rank:
+            metric.update(preds, target)
+    for _ in range(3):  # learnt, then the fast path: stock on all the data each time
+        metric._computed = None
+        assert torch.equal(metric.compute(), stock.compute())
+    dist.barrier()
 
 
-def _learnt(ranks, aux=None, ops=None, cat=None):
-    """A template learnt from the sync of ``ranks`` (rank 0's view), and that sync's table."""
-    records = [_protocol.describe(entries, 5, "repeat", 0, aux, inline=True) for entries in ranks]
-    table = _table(records)
-    plan = _plan.make_plan(table, "repeat", ops)
-    assert plan.inline
-    meta_words = _protocol.record_words(len(ranks[0]))
-    key = (5, "repeat", 0, _protocol.DEFAULT_CAP, None)
-    _repeat.learn(key, records[0], ops, cat, "if_graph", table.numpy(), meta_words, plan)
-    template = _repeat.lookup(key)
-    assert template is not None
-    return template, meta_words
+@pytest.mark.parametrize("device_record", [False, True])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_fast_path_sends_the_long_ways_bytes_and_equals_stock(world_size, device_record):
+    run_distributed(_same_bytes_body, world_size, device_record)
 
 
-@pytest.mark.parametrize("dtypes", DTYPES)
-def test_the_learnt_results_are_unpack_inlines(dtypes):
-    template, meta_words = _learnt([_entries(dtypes, rank + 1) for rank in range(3)])
-    ranks = [_entries(dtypes, 10 - 4 * rank) for rank in range(3)]  # other data, same metadata
-    table = _table([_protocol.describe(entries, 5, "repeat", 0, inline=True) for entries in ranks])
-    learnt = _repeat.results(template, table.numpy(), meta_words, None, None, "if_graph")
-    plan = _plan.make_plan(table, "repeat")
-    assert learnt is not None and plan.groups == template.plan.groups and template.plan.inline
-    for got, expected in zip(learnt, _buffers.unpack_inline(table, meta_words, plan)):
-        assert got.tensor.dtype == expected.tensor.dtype and torch.equal(got.tensor, expected.tensor)
+class _Group:  # a stand-in process group: the guard only holds it weakly and compares identity
+    pass
 
 
-def test_a_table_whose_headers_or_slots_changed_is_not_taken_from_the_template():
-    template, meta_words = _learnt([_entries(DTYPES[0], rank + 1) for rank in range(2)])
-    same = [_entries(DTYPES[0], 3) for _ in range(2)]
-    words = _table([_protocol.describe(e, 5, "repeat", 0, inline=True) for e in same]).numpy()
-    assert _repeat.results(template, words, meta_words, None, None, "if_graph")
-    # The plan's other inputs are compared too: other ops, `cat` flags or grad mode go the long way.
-    assert _repeat.results(template, words, meta_words, [1, 1, 1, 1], None, "if_graph") is None
-    assert _repeat.results(template, words, meta_words, None, [True] * 4, "if_graph") is None
-    assert _repeat.results(template, words, meta_words, None, None, "always") is None
-    others = [
-        [
-            _protocol.describe(same[0], 5, "repeat", 0, inline=True),
-            _protocol.describe(same[1], 6, "repeat", 0, inline=True),
-        ],
-        [
-            _protocol.describe(same[0], 5, "repeat", 0, inline=True),
-            _protocol.describe(same[1], 5, "other", 0, inline=True),
-        ],
-        [
-            _protocol.describe(same[0], 5, "repeat", 0, inline=True),
-            _protocol.describe(same[1], 5, "repeat", 0, [0, 0, 7, 0], inline=True),
-        ],
-        [_protocol.describe(e, 5, "repeat", 0, inline=True) for e in [same[0], same[1], same[0]]],  # three ranks
+def _template(group, states, settings):
+    template = _repeat.Template(
+        classes=_CLASSES,
+        group=weakref.ref(group),
+        settings=settings,
+        states=tuple((state.dtype, state.shape) for state in states),
+        device=torch.device("cpu"),
+        device_record=False,
+        prefix=[],
+        inline=([], 0),
+        table=b"",
+        plan=None,
+    )
+    _repeat._keep((id(_CLASSES), "label", id(group)), template)
+    return template
+
+
+_CLASSES = object()
+
+
+def test_the_guard_takes_the_template_only_for_the_learnt_facts():
+    group = _Group()
+    states = [torch.zeros(3), torch.zeros((), dtype=torch.int64)]
+    settings = ("policy", 1 << 20, 0)  # compared for equality only
+    template = _template(group, states, settings)
+    assert _repeat.lookup(_CLASSES, "label", group, settings, states) is template
+    changed = [
+        [torch.zeros(3, dtype=torch.float64), states[1]],  # a dtype
+        [torch.zeros(4), states[1]],  # a shape
+        [torch.zeros(3, requires_grad=True), states[1]],  # a graph
+        [torch.zeros(3).to_sparse(), states[1]],  # a layout
+        [states[0], states[0]],  # one object twice (it would travel as a Ref)
+        [[1.0, 2.0], states[1]],  # not a tensor
     ]
-    for records in others:
-        assert _repeat.results(template, _table(records).numpy(), meta_words, None, None, "if_graph") is None
+    for other in changed:
+        assert _repeat.lookup(_CLASSES, "label", group, settings, other) is None, other
+    assert _repeat.lookup(_CLASSES, "other label", group, settings, states) is None
+    assert _repeat.lookup(_CLASSES, "label", _Group(), settings, states) is None
+    assert _repeat.lookup(_CLASSES, "label", group, (settings[0], 1 << 21, 0), states) is None  # another cap
+    assert _repeat.lookup(object(), "label", group, settings, states) is None
+
+
+def test_a_destroyed_groups_template_is_never_taken():
+    group = _Group()
+    states = [torch.zeros(2)]
+    settings = ("policy", 1, 0)
+    template = _template(group, states, settings)
+    del group
+    gc.collect()
+    assert template.group() is None  # a group made later, even at the same address, is not the learnt one
+    assert all(_repeat.lookup(_CLASSES, "label", _Group(), settings, states) is None for _ in range(50))
+
+
+def test_the_fast_path_switched_off_takes_nothing():
+    group = _Group()
+    states = [torch.zeros(2)]
+    _template(group, states, ("policy", 1, 0))
+    enabled, _repeat.ENABLED = _repeat.ENABLED, False
+    try:
+        assert _repeat.lookup(_CLASSES, "label", group, ("policy", 1, 0), states) is None
+    finally:
+        _repeat.ENABLED = enabled
 
 
 # ---------------------------------------------------------------------------------------------------- distributed

@@ -21,7 +21,7 @@ from torch import Tensor
 from torchmetrics_varlen import _protocol
 from torchmetrics_varlen._protocol import LocalEntry
 
-__all__ = ["DeviceRecord", "attach", "eligible"]
+__all__ = ["DeviceRecord", "attach", "data_words", "eligible"]
 
 ON_THE_CPU_TOO = False  # tests: take this path with CPU states on gloo, where describe would carry them itself
 
@@ -58,10 +58,23 @@ def attach(record: list[int], entries: Sequence[LocalEntry]) -> list[int]:
     """
     if record[_protocol.H_ERROR] != _protocol.ERR_NONE:
         return record
-    tensors: list[Tensor] = [entry for entry in entries if isinstance(entry, Tensor)]
+    tail = data_words([entry for entry in entries if isinstance(entry, Tensor)])
+    if tail is None:
+        return record
+    words = list(record)
+    words[_protocol.H_FLAGS] |= _protocol.FLAG_INLINE
+    words[_protocol.H_WORDS] += tail.numel()
+    return DeviceRecord(words, tail)
+
+
+def data_words(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The data words of small tensors on a device, laid out as ``describe`` lays out a CPU record's, on the device.
+
+    None where they exceed ``INLINE_MAX_BYTES`` or a dtype cannot be viewed as bytes: the data step moves them.
+    """
     groups, total = _protocol.inline_layout(tuple((t.dtype, t.numel()) for t in tensors))
     if total > _protocol.INLINE_MAX_BYTES:
-        return record
+        return None
     device = tensors[0].device
     pieces: list[Tensor] = []
     used = 0
@@ -74,15 +87,11 @@ def attach(record: list[int], entries: Sequence[LocalEntry]) -> list[int]:
                 data = tensors[index].detach().reshape(-1).view(torch.uint8)
                 pieces.append(data)
                 used += data.numel()
-    except RuntimeError:  # a dtype that cannot be viewed as bytes: the data step moves it
-        return record
+    except RuntimeError:  # a dtype that cannot be viewed as bytes
+        return None
     if total > used:
         pieces.append(torch.zeros(total - used, dtype=torch.uint8, device=device))
-    tail = torch.cat(pieces).view(torch.int64)
-    words = list(record)
-    words[_protocol.H_FLAGS] |= _protocol.FLAG_INLINE
-    words[_protocol.H_WORDS] += tail.numel()
-    return DeviceRecord(words, tail)
+    return torch.cat(pieces).view(torch.int64)
 
 
 def local_record(record: Sequence[int], words: int, device: torch.device) -> Tensor | None:

@@ -39,7 +39,6 @@ from torchmetrics_varlen import (
     _plan,
     _policy,
     _protocol,
-    _repeat,
     _transport,
 )
 from torchmetrics_varlen._buffers import Joined, Reduced, Result, Stacked
@@ -63,6 +62,7 @@ class Synced:
     plan: Plan
     results: list[Result | None]
     rank: int
+    exchanged: "Exchanged | None" = None  # a sync whose data rode in the records: what the fast path learns from
 
 
 def first_device(entries: Sequence[LocalEntry]) -> torch.device | None:
@@ -90,6 +90,17 @@ def entry_device(entry: LocalEntry, default: torch.device) -> torch.device:
     return default
 
 
+@dataclass
+class Exchanged:
+    """This rank's record and the exchanged ``[world_size, words]`` table of a sync (on the host).
+
+    A :class:`~torchmetrics_varlen._device_record.DeviceRecord` holds the table as it arrived on the device too.
+    """
+
+    record: list[int]
+    table: Tensor
+
+
 @dataclass(frozen=True)
 class Request:
     """One sync: what is synced, over which group, and how. Every caller builds one and hands it to :func:`run`.
@@ -113,6 +124,9 @@ class Request:
             ``gather_all_tensors`` hook, whose one tensor is always there).
         cap: this rank's transfer cap in bytes (``Metric(sync_cap=...)``); None: the environment's or the default
             (see :mod:`torchmetrics_varlen._cap`). The plan takes the smallest of all ranks'.
+        exchanged: the records were exchanged already (the fast path's table was not the learnt one,
+            :mod:`torchmetrics_varlen._repeat`): the sync goes on from that table. ``record`` is what ``describe``
+            makes of these entries.
     """
 
     entries: Sequence[LocalEntry]
@@ -130,6 +144,7 @@ class Request:
     names: Callable[[int], str] | None = None
     device: torch.device | None = None
     cap: int | None = None
+    exchanged: Exchanged | None = None
 
 
 def run(request: Request) -> Synced | None:
@@ -149,25 +164,19 @@ def run(request: Request) -> Synced | None:
     cap = request.cap if request.cap is not None else _cap.resolve_cap()
     what = f"sync of {request.label}"
     on_device = inline and _device_record.eligible(request.entries, policy.device)  # small states on the GPU
-    record = _protocol.describe(
-        request.entries, request.context, request.label, flags, request.aux, inline and not on_device, cap
-    )
-    if on_device:
-        record = _device_record.attach(record, request.entries)
-    table = _transport.exchange_records(record, request.group, policy.device, policy.wait, request.timeout, what)
+    if request.exchanged is not None:
+        record, table = request.exchanged.record, request.exchanged.table
+    else:
+        record = _protocol.describe(
+            request.entries, request.context, request.label, flags, request.aux, inline and not on_device, cap
+        )
+        if on_device:
+            record = _device_record.attach(record, request.entries)
+        table = _transport.exchange_records(record, request.group, policy.device, policy.wait, request.timeout, what)
     if request.stop is not None and request.stop(table):
         return None
     words = table.numpy()  # at least the group's first record length: the header is there
     described = _protocol.record_words(int(words[0, _protocol.H_N]))
-    # The one fast path (see _repeat): a small inline sync whose table has the learnt headers and slots. The cap
-    # travels in the header and the broadcast threshold shapes the plan: the key holds the rest of what is learnt.
-    key = (request.context, request.label, flags, cap, policy.broadcast_min)
-    learnable = plan_is_learnable(record, request.stop)  # a host record: the learnt cuts read the host table
-    template = _repeat.lookup(key) if learnable else None
-    if template is not None:  # every rank sees the same table, so every rank takes the same branch
-        learnt = _repeat.results(template, words, described, request.ops, request.cat, request.grad)
-        if learnt is not None:
-            return Synced(template.plan, learnt, rank)
     # The digest (the plan cache's key) covers headers and slots, not the data some records carry along.
     digest = hashlib.blake2b(words[:, :described].tobytes(), digest_size=32).digest()
     reduce = "never" if request.dst is not None else policy.reduce
@@ -175,9 +184,8 @@ def run(request: Request) -> Synced | None:
         table, what, request.ops, reduce, digest, request.grad, request.cat, request.names, policy.broadcast_min
     )
     if plan.inline:  # the data came with the records: cut it out of the table
-        if learnable:
-            _repeat.learn(key, record, request.ops, request.cat, request.grad, words, described, plan)
-        return Synced(plan, _inline_results(record, table, described, plan, policy.device), rank)
+        results = inline_results(record, table, described, plan, policy.device)
+        return Synced(plan, results, rank, Exchanged(record, table))
     return Synced(plan, _data_step(request, plan, rank, policy, local, what), rank)
 
 
@@ -198,13 +206,7 @@ def _data_step(
     return _DifferentiableStep.run(step) if plan.differentiable else step.move()
 
 
-def plan_is_learnable(record: Sequence[int], stop: Callable[[Tensor], bool] | None) -> bool:
-    """Whether the plan of a sync that sent ``record`` may be learnt: its data rode in host records, and no ``stop``."""
-    on_host = not isinstance(record, _device_record.DeviceRecord)
-    return stop is None and on_host and bool(record[_protocol.H_FLAGS] & _protocol.FLAG_INLINE)
-
-
-def _inline_results(
+def inline_results(
     record: Sequence[int], table: Tensor, meta_words: int, plan: Plan, device: torch.device
 ) -> list[Result | None]:
     """The results of a sync whose data rode in the records: from the table where this rank's record was sent."""

@@ -50,7 +50,7 @@ def reduce_state(
     if isinstance(result, Joined):
         return _joined_value(result, own, rank, plan, index, empty)
     if isinstance(result, Stacked):
-        return _stacked_value(result, reduction, own, rank)
+        return stacked_value(result, reduction, own, rank)
     return _pieces_value(result, reduction, own, rank, where, index, empty)
 
 
@@ -87,7 +87,7 @@ def _joined_value(
     return torch.cat([joined[: start // row], mine.to(joined.dtype), joined[stop // row :]])
 
 
-def _stacked_value(result: Stacked, reduction: Any, own: LocalEntry | None, rank: int) -> Any:
+def stacked_value(result: Stacked, reduction: Any, own: LocalEntry | None = None, rank: int = 0) -> Any:
     """A dense state's ``[world_size, *shape]`` stack, reduced (or concatenated) as stock reduces the gathered one."""
     stacked = result.tensor
     if isinstance(own, Tensor) and own.requires_grad:

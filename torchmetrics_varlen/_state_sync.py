@@ -24,10 +24,10 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _caches, _engine, _plan, _protocol
+from torchmetrics_varlen import _caches, _cap, _engine, _plan, _policy, _protocol, _repeat
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry, Ref
-from torchmetrics_varlen._reductions import carries_graph, reduce_state
+from torchmetrics_varlen._reductions import carries_graph, reduce_state, stacked_value
 
 StateDict = dict[str, Any]
 _OPS: dict[Any, int] = {dim_zero_sum: _plan.OP_SUM, dim_zero_max: _plan.OP_MAX, dim_zero_min: _plan.OP_MIN}
@@ -138,14 +138,24 @@ def _class_layout_of(metrics: Sequence[StockMetric], phase: str) -> _ClassLayout
 def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDict] | None = None) -> Layout:
     """The layout of a sync of ``metrics``; ``values`` replaces their current states (one dict per metric)."""
     class_layout = _class_layout_of(metrics, phase)
+    return _layout(metrics, class_layout, _states_of(metrics, class_layout, values))
+
+
+def _states_of(
+    metrics: Sequence[StockMetric], class_layout: _ClassLayout, values: Sequence[StateDict] | None
+) -> list[Any]:
+    """The synced states in the layout's order: from ``values`` (one dict per metric) where given."""
     if values:
-        states = [values[index][name] for index, name in class_layout.keys]
-    else:  # the synced states, in registration order: plain attributes (tests/test_torchmetrics_internals.py)
-        attrs = [vars(metric) for metric in metrics]
-        try:
-            states = [attrs[index][name] for index, name in class_layout.keys]
-        except KeyError:  # a subclass that keeps a state elsewhere (a property): as stock reads it
-            states = [getattr(metrics[index], name) for index, name in class_layout.keys]
+        return [values[index][name] for index, name in class_layout.keys]
+    # The synced states, in registration order: plain attributes (tests/test_torchmetrics_internals.py)
+    attrs = [vars(metric) for metric in metrics]
+    try:
+        return [attrs[index][name] for index, name in class_layout.keys]
+    except KeyError:  # a subclass that keeps a state elsewhere (a property): as stock reads it
+        return [getattr(metrics[index], name) for index, name in class_layout.keys]
+
+
+def _layout(metrics: Sequence[StockMetric], class_layout: _ClassLayout, states: list[Any]) -> Layout:
     aux = [0] * len(states)
     for position in class_layout.means:
         aux[position] = metrics[class_layout.keys[position][0]]._update_count
@@ -164,10 +174,14 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
             for (i, _), joined in zip(class_layout.keys, class_layout.cat)
         ],
         device=metrics_device(metrics),
-        # An instance attribute (set in __init__), read as the learnt sync reads it: getattr on a module without one
-        # raises inside torch's __getattr__, at several microseconds per stock metric.
-        cap=min((cap for metric in metrics if (cap := vars(metric).get("sync_cap")) is not None), default=None),
+        cap=_metrics_cap(metrics),
     )
+
+
+def _metrics_cap(metrics: Sequence[StockMetric]) -> int | None:
+    # An instance attribute (set in __init__), read from the instance dict: getattr on a module without one raises
+    # inside torch's __getattr__, at several microseconds per stock metric.
+    return min((cap for metric in metrics if (cap := vars(metric).get("sync_cap")) is not None), default=None)
 
 
 def sync_states(
@@ -188,11 +202,29 @@ def sync_states(
     others get ``[]``. The local slot keeps this rank's own tensors, so their rank-local autograd graph survives; with
     ``differentiable`` the sync is one autograd node instead (per-step syncs always, epoch syncs when some rank's
     states carry a graph). ``cap`` (bytes) replaces the metrics' own ``sync_cap`` (a collection's).
+
+    A repeated small sync takes the fast path (:mod:`torchmetrics_varlen._repeat`): the guard, then the learnt
+    record and plan, else the long way (from the table it exchanged, if it got that far).
     """
-    layout = sync_layout(metrics, phase, values)
+    class_layout = _class_layout_of(metrics, phase)
+    states = _states_of(metrics, class_layout, values)
+    settings = _repeat_settings(metrics, group, states, cap) if not differentiable and dst is None else None
+    exchanged = None
+    if settings is not None and not class_layout.means:
+        template = _repeat.lookup(class_layout, label, group, settings, states)
+        if template is not None:
+            repeated = _repeat.sync(template, states, group, timeout, f"sync of {label}")
+            if isinstance(repeated, list):
+                return _repeated_states(len(metrics), class_layout, template.plan, repeated)
+            exchanged = repeated  # the table was not the learnt one: the long way goes on from it
+    layout = _layout(metrics, class_layout, states)
     flags = _protocol.FLAG_DIFF if differentiable else 0
-    synced = run_layout(layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap)
+    synced = run_layout(
+        layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap, exchanged=exchanged
+    )
     assert synced is not None  # no `stop` given
+    if settings is not None and synced.exchanged is not None and not class_layout.means:
+        _repeat.learn(class_layout, label, group, settings, states, synced.exchanged, synced.plan)
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
@@ -200,6 +232,24 @@ def sync_states(
     out: list[StateDict] = [{} for _ in metrics]
     for (index, name), value in zip(layout.keys, reduced):
         out[index][name] = value
+    return out
+
+
+def _repeat_settings(
+    metrics: Sequence[StockMetric], group: Any, states: list[Any], cap: int | None
+) -> _repeat.Settings | None:
+    """The policy, transfer cap and header flags the engine would take for this sync: part of the fast path's guard."""
+    local = states[0].device if states and isinstance(states[0], Tensor) else None
+    policy = _policy.policy_for(group, metrics_device(metrics), local)
+    sent = cap if cap is not None else _metrics_cap(metrics)
+    return policy, sent if sent is not None else _cap.resolve_cap(), _protocol.REDUCE_FLAGS[policy.reduce]
+
+
+def _repeated_states(count: int, class_layout: _ClassLayout, plan: Plan, results: list[Any]) -> list[StateDict]:
+    """The states of a repeated sync: each dense result reduced as stock reduces the gathered states."""
+    out: list[StateDict] = [{} for _ in range(count)]
+    for (index, name), reduction, result in zip(class_layout.keys, class_layout.reductions, results):
+        out[index][name] = stacked_value(result, reduction)
     return out
 
 
@@ -215,12 +265,14 @@ def run_layout(
     stop: Any = None,
     device: torch.device | None = None,
     cap: int | None = None,
+    exchanged: "_engine.Exchanged | None" = None,
 ) -> "_engine.Synced | None":
     """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
 
     ``device`` replaces the layout's (the metrics' device) as the device the sync is decided for and empty entries'
     results go to: the Join shadow, which must never touch CUDA, passes the CPU. ``cap`` replaces the layout's
-    transfer cap (a collection's own ``sync_cap``).
+    transfer cap (a collection's own ``sync_cap``). ``exchanged``: the records were exchanged already (see
+    :class:`torchmetrics_varlen._engine.Request`).
     """
     request = _engine.Request(
         layout.entries,
@@ -238,6 +290,7 @@ def run_layout(
         names=layout.state_name,
         device=device or layout.device,
         cap=cap if cap is not None else layout.cap,
+        exchanged=exchanged,
     )
     return _engine.run(request)
 
