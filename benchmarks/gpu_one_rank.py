@@ -35,6 +35,7 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_varlen as tv
+from torchmetrics_varlen import _repeat
 
 __all__ = ["force_sync_in_a_group_of_one", "main"]
 
@@ -143,17 +144,34 @@ def _small_sync(device: torch.device) -> str:
 
     for name, fn in originals.items():
         setattr(dist, name, counting(name, fn))
+    fast: list[bool] = []
+    original_repeat = _repeat.sync
+
+    def repeated(*args: Any) -> Any:
+        out = original_repeat(*args)
+        fast.append(isinstance(out, list))
+        return out
+
+    _repeat.sync = repeated
     try:
         got = metric.compute()
+        first_calls = list(calls)
+        for _ in range(3):  # the same sync again: the fast path, its data in the learnt record
+            metric._computed = None
+            again = metric.compute()
+            torch.testing.assert_close(again, got, rtol=0, atol=0)
     finally:
+        _repeat.sync = original_repeat
         for name, fn in originals.items():
             setattr(dist, name, fn)
     reference = BinaryAccuracy().to(device)  # stock, one process, the same data
     reference.update(preds, target)
     torch.testing.assert_close(got, reference.compute(), rtol=0, atol=0)
-    if len(calls) != 1:
-        raise AssertionError(f"a small sync of {got.device} states issued {calls}: expected one all-gather")
-    return f"rebase(BinaryAccuracy) on {got.device}: one collective ({calls[0]}), exact"
+    if len(first_calls) != 1 or len(calls) != 4:
+        raise AssertionError(f"4 small syncs of {got.device} states issued {calls}: expected one all-gather each")
+    if fast != [True] * 3:
+        raise AssertionError(f"the repeated syncs took the fast path {fast}: expected [True, True, True]")
+    return f"rebase(BinaryAccuracy) on {got.device}: one collective ({calls[0]}), exact; repeated: the fast path"
 
 
 def _routes(device: torch.device) -> str:
