@@ -10,8 +10,8 @@ only allocation is the result, and nothing is copied out afterwards. Which ranks
 plan: every rank issues the same broadcasts in the same order.
 
 A one-rank sync (``compute_on_rank``) routes entries by the same plan, but only its destination rank allocates the
-results: each other rank's section moves by one ``all_to_all_single`` in which that rank sends to the destination
-alone (:func:`to_rank`), so the destination receives the true sizes and the other ranks receive nothing.
+results: the other ranks' sections move in pieces of at most the cap, one collective each (:func:`to_rank`, see
+``_to_rank``), so the destination receives the true sizes.
 """
 
 from collections.abc import Sequence
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchmetrics_varlen import _to_rank
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry, Ref
 
@@ -132,14 +133,13 @@ def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], r
 
 def to_rank(
     plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int, dst: int
-) -> list[tuple[int, Tensor | None]]:
-    """A one-rank sync's transfers to ``dst``: ``(source rank, tensor)`` in the order every rank issues them.
+) -> list[_to_rank.Piece]:
+    """A one-rank sync's transfers to ``dst``: its pieces, in the order every rank issues them (``_to_rank.pieces``).
 
-    As :func:`sections`, without ``dst``'s own sections (its data is copied, never sent). The tensor is the section
-    of the result on ``dst``, the source's data on the source rank, and None on the other ranks (they take part in
-    the collective with nothing to send or receive).
+    The sections of :func:`sections` without ``dst``'s own (its data is copied, never sent), as contiguous spans of
+    each result of at most ``plan.cap`` bytes, each moved by one collective.
     """
-    return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if src != dst]
+    return _to_rank.pieces(plan, buffers, sources, rank, dst)
 
 
 def _chunks(
