@@ -35,14 +35,15 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_varlen as tv
+from benchmarks import _gpu_one_rank_nccl
+from benchmarks._gpu_common import SkipError
 
 __all__ = ["force_sync_in_a_group_of_one", "main"]
 
 GROUP_TIMEOUT = 123.0  # seconds the world is made with: the check reads it back from the backend's options
 
 
-class _SkipError(Exception):
-    """This machine cannot run the scenario."""
+_SkipError = SkipError  # this machine cannot run the scenario (shared with the scenarios of _gpu_one_rank_nccl)
 
 
 class _Dense(tv.Metric):
@@ -262,6 +263,7 @@ SCENARIOS: dict[str, Callable[[torch.device], str]] = {
     "autograd-thread": _autograd_thread,
     "memory-after-compute": _memory_after_compute,
     "blocking-wait-group": _blocking_wait,
+    **_gpu_one_rank_nccl.SCENARIOS,  # issue 34: nccl2, the gather to one rank, the watchdog in default mode
 }
 
 

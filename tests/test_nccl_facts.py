@@ -109,3 +109,11 @@ def test_other_errors_pass_unchanged(monkeypatch):
 def _with_device(fn, device):
     """``fn`` told that the buffers are on ``device`` (no GPU here to put a tensor on)."""
     return lambda group, _device, error: fn(group, device, error)
+
+
+def test_nccls_refusal_from_a_work_names_the_fix_too(monkeypatch):
+    # Where NCCL's refusal comes from the work instead (a communicator created without blocking), SyncPeerError.
+    monkeypatch.setattr(_waits.dist, "get_rank", lambda group=None: 1)
+    message = _waits._peer_message("sync of X", None, "NCCL error: invalid usage\nDuplicate GPU detected : rank 1")
+    assert "torch.cuda.set_device(local_rank)" in message and "device_id=" in message
+    assert "set_device" not in _waits._peer_message("sync of X", None, "Connection closed by peer")

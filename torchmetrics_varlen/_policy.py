@@ -322,12 +322,16 @@ def shared_gpu_hint_for(group: Any, device: torch.device, error: str) -> str:
         backend_of(group), device, bound_device(group), os.environ.get("LOCAL_RANK"), torch.cuda.device_count()
     )
     if not hint and "Duplicate GPU" in error:
-        hint = (
-            f"This rank put its buffers on {device}: give each rank its own GPU with"
-            " `torch.cuda.set_device(local_rank)` before the first sync, or"
-            " `init_process_group(..., device_id=torch.device('cuda', local_rank))`."
-        )
+        hint = f"This rank put its buffers on {device}.{SHARED_GPU_FIX}"
     return hint
+
+
+# What NCCL's "Duplicate GPU detected" needs, wherever it surfaces (at the collective's start, or from its work).
+SHARED_GPU_FIX = (
+    " Two ranks of this node share one GPU, which NCCL refuses: give each rank its own with"
+    " `torch.cuda.set_device(local_rank)` before the first sync, or"
+    " `init_process_group(..., device_id=torch.device('cuda', local_rank))`."
+)
 
 
 def crosses_autograd_threads(devices: list[torch.device], cuda_in_use: bool) -> bool:

@@ -442,5 +442,5 @@ def _peer_message(
     return (
         f"{what}: rank {rank} lost a peer during the sync: {who} (the backend said: {first}). Check the logs of"
         f" {'those ranks' if crashed else 'the other ranks'} for the original error; this process group cannot be"
-        " used any more."
+        " used any more." + (_policy.SHARED_GPU_FIX if "Duplicate GPU" in error else "")
     )
