@@ -13,9 +13,9 @@ Each takes the device of the 1-rank world (``cuda:0`` on NCCL, the CPU with ``--
   unset), a collective that never completes ends in our ``SyncTimeoutError`` before the watchdog ends the process at
   the group's timeout. A 1-rank world has no rank to be missing, so the collective is held back instead: a kernel
   that sleeps past the group's timeout is queued on the stream just before it, so NCCL's stream waits (what the
-  watchdog sees is the same: a work not completed by the group's timeout). It runs in a child process (this module
-  with ``--watchdog-child``), which the watchdog is expected to end. A real missing rank needs two GPUs, and ends
-  the process that runs the check: the torchrun check cannot run it.
+  watchdog sees is the same: a work not completed by the group's timeout). It runs in a child process
+  (``python -m benchmarks.gpu_one_rank --watchdog-child``), which the watchdog is expected to end. A real missing
+  rank needs two GPUs, and ends the process that runs the check: the torchrun check cannot run it.
 """
 
 import datetime
@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import torchmetrics_varlen as tv
 from benchmarks._gpu_common import SkipError
 from torchmetrics_varlen import _policy
 
-__all__ = ["SCENARIOS"]
+__all__ = ["SCENARIOS", "watchdog_child"]
 
 WATCHDOG_GROUP = 20.0  # the child's group timeout, seconds
 WATCHDOG_SYNC = 3.0  # the child's sync_timeout
@@ -112,7 +113,7 @@ def _default_mode_watchdog(device: torch.device) -> str:
     defaults = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT")  # unset: NCCL's default mode
     env = {name: value for name, value in os.environ.items() if name not in defaults}
     env["MASTER_PORT"] = str(int(os.environ.get("MASTER_PORT", "29541")) + 7)
-    command = [sys.executable, "-m", "benchmarks._gpu_one_rank_nccl", "--watchdog-child"]
+    command = [sys.executable, "-m", "benchmarks.gpu_one_rank", "--watchdog-child"]
     child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=WATCHDOG_GROUP * 4 + 60)
     ended = time.monotonic()
     lines = dict(line.split(" ", 1) for line in child.stdout.splitlines() if " " in line)
@@ -133,10 +134,11 @@ def _default_mode_watchdog(device: torch.device) -> str:
     )
 
 
-def _watchdog_child() -> int:
-    """The child of ``default-mode-watchdog``: a sync whose collective is held past the group's timeout."""
-    from benchmarks.gpu_one_rank import force_sync_in_a_group_of_one
+def watchdog_child(force_sync_in_a_group_of_one: Callable[[], None]) -> int:
+    """The child of ``default-mode-watchdog``: a sync whose collective is held past the group's timeout.
 
+    ``force_sync_in_a_group_of_one`` is ``gpu_one_rank``'s, which runs this (``--watchdog-child``).
+    """
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -178,7 +180,3 @@ SCENARIOS = {
     "to-one-rank-memory": _to_one_rank_memory,
     "default-mode-watchdog": _default_mode_watchdog,
 }
-
-
-if __name__ == "__main__" and "--watchdog-child" in sys.argv:
-    sys.exit(_watchdog_child())

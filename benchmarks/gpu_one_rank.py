@@ -283,7 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run every scenario in a 1-rank world (NCCL on ``cuda:0``, or gloo with ``--cpu``); 1 if one failed."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_one_rank", description=__doc__)
     parser.add_argument("--cpu", action="store_true", help="gloo and the CPU: the same code, no GPU needed")
+    parser.add_argument("--watchdog-child", action="store_true", help=argparse.SUPPRESS)  # default-mode-watchdog's
     args = parser.parse_args(argv)
+    if args.watchdog_child:
+        return _gpu_one_rank_nccl.watchdog_child(force_sync_in_a_group_of_one)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_one_rank: no CUDA GPU is visible; run it with --cpu to check the script on gloo", flush=True)
         return 0

@@ -59,6 +59,12 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   (every rank's chunk of one state) is one list ``all_gather`` of unequal sizes, which ``ProcessGroupNCCL`` runs as
   one group of broadcasts (``grouped_broadcasts``); gloo's list ``all_gather`` takes equal sizes only, so there it is
   one ``broadcast`` per rank and chunk. The grouped path runs on gloo in the tests with equal sections only.
+* **The gather to one rank** (``compute_on_rank``, ``point_to_point``): ``gather`` and ``all_to_all_single`` off NCCL;
+  on NCCL, which runs both point to point (a connection, and its buffers for the communicator's life, to every peer
+  an operation names, zero-byte ones included), the padded ``all_gather`` and list ``all_gather`` calls (see
+  ``_to_rank``).
+* **NCCL by any name.** torch calls its NCCL implementations "nccl", "nccl2", "nccl-lazy" and "nccl-legacy"
+  (:data:`NCCL_BACKENDS`); every decision above treats them alike (:func:`is_nccl`).
 
 The waiting itself (the two ways, their constants, the timeouts) is :mod:`torchmetrics_varlen._waits`'s: this module
 only decides which way a sync waits (:func:`wait_mode`). Tests force a policy on gloo with :func:`forced`, and call
