@@ -109,6 +109,7 @@ def _to_one_rank_memory(ctx: Ctx) -> str:
     (local,) = ctx.local((data,), sizes)
     metric.update(local)
     cuda = ctx.device.type == "cuda"
+    dist.all_reduce(torch.zeros(1, device=ctx.device), group=group)  # the communicator's own setup: not measured
     if cuda:
         torch.cuda.synchronize(ctx.device)
         free_before, _ = torch.cuda.mem_get_info(ctx.device)

@@ -79,6 +79,7 @@ def _to_one_rank_memory(device: torch.device) -> str:
     x = torch.rand(2_000_000, device=device)
     metric = tv.rebase(CatMetric)(process_group=group, sync_cap="1MiB").to(device)
     metric.update(x)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)  # the communicator's own setup: not measured
     if nccl:
         torch.cuda.synchronize(device)
         free_before, total = torch.cuda.mem_get_info(device)
