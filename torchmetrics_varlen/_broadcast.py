@@ -101,10 +101,21 @@ def chunk_elements(cap: int, itemsize: int) -> int:
 def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[tuple[int, Tensor]]:
     """The ``(source rank, tensor)`` of every broadcast, in the order every rank issues them.
 
-    Per entry, per rank holding data: its section (this rank's own: its source), in chunks of at most ``plan.cap``
-    bytes.
+    Per entry, per rank holding data: its section of the result (this rank's own: its source), in chunks of at most
+    ``plan.cap`` bytes.
     """
-    return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if part is not None]
+    out: list[tuple[int, Tensor]] = []
+    for index in plan.broadcast:
+        eplan = plan.entries[index]
+        assert eplan.dtype is not None
+        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
+        start = 0
+        for src, count in enumerate(eplan.numels.tolist()):
+            if count:
+                section = sources[index] if src == rank else buffers[index][start : start + count]
+                out += [(src, part) for part in torch.split(section, chunk)]
+            start += count
+    return out
 
 
 def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[list[Tensor]]:
@@ -140,28 +151,3 @@ def to_rank(
     each result of at most ``plan.cap`` bytes, each moved by one collective.
     """
     return _to_rank.pieces(plan, buffers, sources, rank, dst)
-
-
-def _chunks(
-    plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int
-) -> list[tuple[int, Tensor | None]]:
-    """Per routed entry, per rank holding data, its section in chunks of at most ``plan.cap`` bytes.
-
-    A section is None where this rank neither holds the result nor is the source.
-    """
-    out: list[tuple[int, Tensor | None]] = []
-    for index in plan.broadcast:
-        eplan = plan.entries[index]
-        assert eplan.dtype is not None
-        buffer = buffers.get(index)
-        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
-        start = 0
-        for src, count in enumerate(eplan.numels.tolist()):
-            if count:
-                section = sources[index] if src == rank else None if buffer is None else buffer[start : start + count]
-                if section is None:
-                    out += [(src, None)] * -(-count // chunk)
-                else:
-                    out += [(src, part) for part in torch.split(section, chunk)]
-            start += count
-    return out
