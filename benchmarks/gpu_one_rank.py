@@ -35,6 +35,8 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_varlen as tv
+from benchmarks import _gpu_one_rank_nccl
+from benchmarks._gpu_common import SkipError
 from torchmetrics_varlen import _repeat
 
 __all__ = ["force_sync_in_a_group_of_one", "main"]
@@ -42,8 +44,7 @@ __all__ = ["force_sync_in_a_group_of_one", "main"]
 GROUP_TIMEOUT = 123.0  # seconds the world is made with: the check reads it back from the backend's options
 
 
-class _SkipError(Exception):
-    """This machine cannot run the scenario."""
+_SkipError = SkipError  # this machine cannot run the scenario (shared with the scenarios of _gpu_one_rank_nccl)
 
 
 class _Dense(tv.Metric):
@@ -280,6 +281,7 @@ SCENARIOS: dict[str, Callable[[torch.device], str]] = {
     "autograd-thread": _autograd_thread,
     "memory-after-compute": _memory_after_compute,
     "blocking-wait-group": _blocking_wait,
+    **_gpu_one_rank_nccl.SCENARIOS,  # issue 34: nccl2, the gather to one rank, the watchdog in default mode
 }
 
 
@@ -299,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run every scenario in a 1-rank world (NCCL on ``cuda:0``, or gloo with ``--cpu``); 1 if one failed."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_one_rank", description=__doc__)
     parser.add_argument("--cpu", action="store_true", help="gloo and the CPU: the same code, no GPU needed")
+    parser.add_argument("--watchdog-child", action="store_true", help=argparse.SUPPRESS)  # default-mode-watchdog's
     args = parser.parse_args(argv)
+    if args.watchdog_child:
+        return _gpu_one_rank_nccl.watchdog_child(force_sync_in_a_group_of_one)
     if not args.cpu and not torch.cuda.is_available():
         print("gpu_one_rank: no CUDA GPU is visible; run it with --cpu to check the script on gloo", flush=True)
         return 0

@@ -16,7 +16,8 @@ from benchmarks import gpu_check
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = ["-m", "benchmarks.gpu_check"]
 TIMEOUT = 180  # seconds; a healthy --cpu run takes about 35 s on 2 shared cores
-GPU_ONLY = {"mixed-devices", "device-id-no-set-device", "sync-in-cuda-stream"}  # what --cpu cannot stand in for
+# What --cpu cannot stand in for
+GPU_ONLY = {"mixed-devices", "device-id-no-set-device", "sync-in-cuda-stream", "shared-gpu-hint"}
 FINDINGS = {"group-after-timeout"}  # PASS where the backend can reuse the group, NOTE (a finding) where it cannot
 
 
@@ -131,6 +132,7 @@ def test_the_one_rank_half_runs_on_gloo_cpu(tmp_path):
 
     assert list(verdicts) == list(gpu_one_rank.SCENARIOS), done.stdout
     cuda_only = {"side-stream", "autograd-thread", "memory-after-compute", "blocking-wait-group"}
+    cuda_only |= {"default-mode-watchdog"}
     for name, (status, detail) in verdicts.items():
         assert status == ("SKIP" if name in cuda_only else "PASS"), (name, status, detail)
     assert "123 s read from the gloo backend's options" in verdicts["group-timeout"][1]

@@ -312,9 +312,11 @@ def test_one_rank_compute_receives_the_true_sizes_on_its_destination_only(world_
         assert_same(result["got"]["auroc"], reference.compute())
         assert torch.equal(result["got"]["values"], preds)  # rank order, exactly
         calls, received = result["seen"].get("all_to_all_single", (0, 0))
+        # One all_to_all_single per piece: each state's result, less the destination's own section, in contiguous
+        # spans (before and after that section) cut at the cap, whatever the number of ranks in a span.
         chunk = cap or _cap.DEFAULT_CAP
-        senders = [r for r, size in enumerate(sizes) if size and r != dst]
-        assert calls == sum(-(-sizes[r] * itemsize // chunk) for r in senders for itemsize in (4, 8, 4))
+        spans = [sum(sizes[:dst]), sum(sizes[dst + 1 :])]
+        assert calls == sum(-(-span * itemsize // chunk) for span in spans for itemsize in (4, 8, 4))
         gathered = result["seen"].get("gather", (0, 0))[1]
         if rank == dst:  # every other rank's bytes once, no padding; the gather holds only item shape tables
             assert received == sum(state_bytes) - state_bytes[rank]

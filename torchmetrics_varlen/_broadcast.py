@@ -10,8 +10,8 @@ only allocation is the result, and nothing is copied out afterwards. Which ranks
 plan: every rank issues the same broadcasts in the same order.
 
 A one-rank sync (``compute_on_rank``) routes entries by the same plan, but only its destination rank allocates the
-results: each other rank's section moves by one ``all_to_all_single`` in which that rank sends to the destination
-alone (:func:`to_rank`), so the destination receives the true sizes and the other ranks receive nothing.
+results: the other ranks' sections move in pieces of at most the cap, one collective each (:func:`to_rank`, see
+``_to_rank``), so the destination receives the true sizes.
 """
 
 from collections.abc import Sequence
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchmetrics_varlen import _to_rank
 from torchmetrics_varlen._plan import Plan
 from torchmetrics_varlen._protocol import LocalEntry, Ref
 
@@ -100,10 +101,21 @@ def chunk_elements(cap: int, itemsize: int) -> int:
 def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[tuple[int, Tensor]]:
     """The ``(source rank, tensor)`` of every broadcast, in the order every rank issues them.
 
-    Per entry, per rank holding data: its section (this rank's own: its source), in chunks of at most ``plan.cap``
-    bytes.
+    Per entry, per rank holding data: its section of the result (this rank's own: its source), in chunks of at most
+    ``plan.cap`` bytes.
     """
-    return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if part is not None]
+    out: list[tuple[int, Tensor]] = []
+    for index in plan.broadcast:
+        eplan = plan.entries[index]
+        assert eplan.dtype is not None
+        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
+        start = 0
+        for src, count in enumerate(eplan.numels.tolist()):
+            if count:
+                section = sources[index] if src == rank else buffers[index][start : start + count]
+                out += [(src, part) for part in torch.split(section, chunk)]
+            start += count
+    return out
 
 
 def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[list[Tensor]]:
@@ -132,36 +144,10 @@ def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], r
 
 def to_rank(
     plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int, dst: int
-) -> list[tuple[int, Tensor | None]]:
-    """A one-rank sync's transfers to ``dst``: ``(source rank, tensor)`` in the order every rank issues them.
+) -> list[_to_rank.Piece]:
+    """A one-rank sync's transfers to ``dst``: its pieces, in the order every rank issues them (``_to_rank.pieces``).
 
-    As :func:`sections`, without ``dst``'s own sections (its data is copied, never sent). The tensor is the section
-    of the result on ``dst``, the source's data on the source rank, and None on the other ranks (they take part in
-    the collective with nothing to send or receive).
+    The sections of :func:`sections` without ``dst``'s own (its data is copied, never sent), as contiguous spans of
+    each result of at most ``plan.cap`` bytes, each moved by one collective.
     """
-    return [(src, part) for src, part in _chunks(plan, buffers, sources, rank) if src != dst]
-
-
-def _chunks(
-    plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int
-) -> list[tuple[int, Tensor | None]]:
-    """Per routed entry, per rank holding data, its section in chunks of at most ``plan.cap`` bytes.
-
-    A section is None where this rank neither holds the result nor is the source.
-    """
-    out: list[tuple[int, Tensor | None]] = []
-    for index in plan.broadcast:
-        eplan = plan.entries[index]
-        assert eplan.dtype is not None
-        buffer = buffers.get(index)
-        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
-        start = 0
-        for src, count in enumerate(eplan.numels.tolist()):
-            if count:
-                section = sources[index] if src == rank else None if buffer is None else buffer[start : start + count]
-                if section is None:
-                    out += [(src, None)] * -(-count // chunk)
-                else:
-                    out += [(src, part) for part in torch.split(section, chunk)]
-            start += count
-    return out
+    return _to_rank.pieces(plan, buffers, sources, rank, dst)

@@ -59,6 +59,12 @@ Everything else in the package is backend-agnostic. The decisions, and why:
   (every rank's chunk of one state) is one list ``all_gather`` of unequal sizes, which ``ProcessGroupNCCL`` runs as
   one group of broadcasts (``grouped_broadcasts``); gloo's list ``all_gather`` takes equal sizes only, so there it is
   one ``broadcast`` per rank and chunk. The grouped path runs on gloo in the tests with equal sections only.
+* **The gather to one rank** (``compute_on_rank``, ``point_to_point``): ``gather`` and ``all_to_all_single`` off NCCL;
+  on NCCL, which runs both point to point (a connection, and its buffers for the communicator's life, to every peer
+  an operation names, zero-byte ones included), the padded ``all_gather`` and list ``all_gather`` calls (see
+  ``_to_rank``).
+* **NCCL by any name.** torch calls its NCCL implementations "nccl", "nccl2", "nccl-lazy" and "nccl-legacy"
+  (:data:`NCCL_BACKENDS`); every decision above treats them alike (:func:`is_nccl`).
 
 The waiting itself (the two ways, their constants, the timeouts) is :mod:`torchmetrics_varlen._waits`'s: this module
 only decides which way a sync waits (:func:`wait_mode`). Tests force a policy on gloo with :func:`forced`, and call
@@ -83,6 +89,11 @@ REDUCE_ENV = "TORCHMETRICS_VARLEN_REDUCE"
 REDUCE_MODES = ("auto", "never", "always")
 # The broadcast route's threshold (module docstring, "Data path"): measured on gloo; NCCL's is not measured.
 BROADCAST_MIN_BYTES = {"gloo": 128 * 2**10, "nccl": 4 * 2**20}
+# The names torch gives NCCL's implementations: "nccl" (since torch 2.14 the torchcomms-based ProcessGroupNCCL2 unless
+# TORCH_DIST_USE_NCCL2=0), "nccl2" (that one by name), "nccl-lazy" (nccl2 with a 2-rank communicator per
+# point-to-point pair) and "nccl-legacy" (the older ProcessGroupNCCL by name). torch treats them all as NCCL
+# (``distributed_c10d._get_default_timeout``), and so does every decision here.
+NCCL_BACKENDS = frozenset({"nccl", "nccl2", "nccl-lazy", "nccl-legacy"})
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,9 @@ class TransportPolicy:
         grouped_broadcasts: issue each round of the broadcast route (every rank's chunk of one state) as one list
             ``all_gather``, which NCCL runs as one group of broadcasts; else one ``broadcast`` per rank and chunk
             (gloo's list ``all_gather`` takes equal sizes only).
+        point_to_point: a one-rank sync (``compute_on_rank``) may use collectives that NCCL runs point to point
+            (``gather``, ``all_to_all_single``); False on NCCL, where each peer they name gets a connection and its
+            buffers for the communicator's life (see ``_to_rank``).
     """
 
     backend: str
@@ -110,6 +124,7 @@ class TransportPolicy:
     grad_wait: str | None = None
     broadcast_min: int = BROADCAST_MIN_BYTES["gloo"]
     grouped_broadcasts: bool = False
+    point_to_point: bool = True
 
 
 @dataclass(frozen=True)
@@ -205,6 +220,27 @@ def _serving_type(backend: str, device: torch.device | None, local: torch.device
     return local.type if local is not None else "cpu"
 
 
+def is_nccl(backend: str, device_type: str = "cuda") -> bool:
+    """Whether ``backend`` (its entry for ``device_type``) is one of NCCL's implementations (:data:`NCCL_BACKENDS`).
+
+    Example:
+        >>> is_nccl("nccl"), is_nccl("nccl2"), is_nccl("cpu:gloo,cuda:nccl2"), is_nccl("cpu:gloo,cuda:nccl2", "cpu")
+        (True, True, True, False)
+    """
+    return serving_backend(backend, device_type) in NCCL_BACKENDS
+
+
+def point_to_point(group: Any, device_type: str) -> bool:
+    """Whether a one-rank sync over ``group`` may use point-to-point collectives (:class:`TransportPolicy`).
+
+    A policy forced for tests decides; else every backend but NCCL's (the backend is the same on every rank).
+    """
+    forced = _FORCED.policy
+    if forced is not None:
+        return forced.point_to_point
+    return not is_nccl(backend_of(group), device_type)
+
+
 def wait_mode(backend: str, device_type: str) -> str:
     """How to wait for a collective of ``backend`` on buffers of ``device_type``: "block" on gloo, else "poll"."""
     return "block" if serving_backend(backend, device_type) == "gloo" else "poll"
@@ -213,7 +249,7 @@ def wait_mode(backend: str, device_type: str) -> str:
 def buffer_device(facts: Facts) -> torch.device:
     """Where the buffers of a sync live (see the module docstring for the order of preference)."""
     backend = serving_backend(facts.backend, serving_type(facts))
-    if backend == "nccl":
+    if backend in NCCL_BACKENDS:
         for candidate in (facts.bound, facts.device, facts.local):
             if candidate is not None and candidate.type == "cuda":
                 index = candidate.index if candidate.index is not None else facts.current_cuda
@@ -229,9 +265,9 @@ def decide(facts: Facts) -> TransportPolicy:
     device = buffer_device(facts)
     grad_device = device if device.type != "cpu" else (facts.device or facts.local or _CPU)
     serving = serving_backend(facts.backend, device.type)
-    nccl = serving == "nccl"
+    nccl = serving in NCCL_BACKENDS
     wait = wait_mode(facts.backend, device.type)
-    broadcast_min = BROADCAST_MIN_BYTES.get(serving, BROADCAST_MIN_BYTES["gloo"])
+    broadcast_min = BROADCAST_MIN_BYTES["nccl" if nccl else serving if serving in BROADCAST_MIN_BYTES else "gloo"]
     return TransportPolicy(
         facts.backend,
         device,
@@ -241,7 +277,67 @@ def decide(facts: Facts) -> TransportPolicy:
         "stream" if nccl else wait,
         broadcast_min,
         grouped_broadcasts=nccl,
+        point_to_point=not nccl,
     )
+
+
+def shared_gpu_hint(
+    backend: str, device: torch.device, bound: torch.device | None, local_rank: str | None, device_count: int
+) -> str:
+    """The fix for buffers that land on one GPU for every local rank, or "" where the facts do not point to it.
+
+    A CPU-state metric (or a CUDA metric moved with ``.to("cuda")``) on an NCCL group with neither
+    ``init_process_group(device_id=...)`` nor ``torch.cuda.set_device`` puts its buffers on the current device,
+    ``cuda:0`` on every local rank, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected") at the first
+    collective, on every rank of the node. The facts: an NCCL group with no bound device, buffers on ``cuda:0``, and a
+    ``LOCAL_RANK`` that maps to another of the visible GPUs. torch's own ``nccl2`` backend binds the group to
+    ``LOCAL_RANK``'s GPU itself, so its groups never match.
+
+    Example:
+        >>> shared_gpu_hint("nccl", torch.device("cuda", 0), None, "3", 8)[:45]
+        'This rank (LOCAL_RANK 3) put its buffers on c'
+        >>> shared_gpu_hint("nccl", torch.device("cuda", 0), None, "0", 8), shared_gpu_hint("gloo", _CPU, None, "3", 8)
+        ('', '')
+    """
+    if not is_nccl(backend, device.type) or bound is not None or device != torch.device("cuda", 0):
+        return ""
+    try:
+        expected = int(local_rank or "0") % max(device_count, 1)
+    except ValueError:
+        return ""
+    if expected == 0:
+        return ""
+    return (
+        f"This rank (LOCAL_RANK {local_rank}) put its buffers on cuda:0, the current device, because the process"
+        " group is bound to no device and `torch.cuda.set_device` was not called: every rank of this node is on"
+        f" cuda:0, which NCCL refuses. Call `torch.cuda.set_device({expected})` (`torch.cuda.set_device(local_rank)`)"
+        " before the first sync, or create the group with `init_process_group(..., device_id=torch.device('cuda',"
+        " local_rank))`."
+    )
+
+
+def shared_gpu_hint_for(group: Any, device: torch.device, error: str) -> str:
+    """:func:`shared_gpu_hint` with this process's facts (the group's bound device, ``LOCAL_RANK``, the GPU count).
+
+    ``error`` is the backend's message: NCCL's own "Duplicate GPU detected" gets a hint even where ``LOCAL_RANK``
+    cannot tell which GPU was meant.
+    """
+    if device.type != "cuda":
+        return ""
+    hint = shared_gpu_hint(
+        backend_of(group), device, bound_device(group), os.environ.get("LOCAL_RANK"), torch.cuda.device_count()
+    )
+    if not hint and "Duplicate GPU" in error:
+        hint = f"This rank put its buffers on {device}.{SHARED_GPU_FIX}"
+    return hint
+
+
+# What NCCL's "Duplicate GPU detected" needs, wherever it surfaces (at the collective's start, or from its work).
+SHARED_GPU_FIX = (
+    " Two ranks of this node share one GPU, which NCCL refuses: give each rank its own with"
+    " `torch.cuda.set_device(local_rank)` before the first sync, or"
+    " `init_process_group(..., device_id=torch.device('cuda', local_rank))`."
+)
 
 
 def crosses_autograd_threads(devices: list[torch.device], cuda_in_use: bool) -> bool:
@@ -284,7 +380,7 @@ def policy_for(group: Any, device: torch.device | None, local: torch.device | No
     cuda_available = ":" in backend and device is None and torch.cuda.is_available()
     reduce = os.environ.get(REDUCE_ENV, "")
     bound, current = None, -1
-    if serving_backend(backend, _serving_type(backend, device, local, cuda_available)) == "nccl":
+    if serving_backend(backend, _serving_type(backend, device, local, cuda_available)) in NCCL_BACKENDS:
         bound, current = bound_device(group), torch.cuda.current_device()
     return _decide(backend, device, local, bound, current, cuda_available, reduce)
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _caches, _device_record, _plan, _presence, _protocol, _waits
+from torchmetrics_varlen import _caches, _device_record, _plan, _policy, _presence, _protocol, _to_rank, _waits
 from torchmetrics_varlen.errors import SyncMemoryError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -193,11 +193,30 @@ def _exchange_at(
         local = local if device.type == "cpu" else local.to(device)
     world_size = dist.get_world_size(group)
     table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
-    _wait(_gather_equal(table, local, group), group, wait, timeout, what, device.type)
+    _wait(_start_with_hint(_gather_equal, table, local, group), group, wait, timeout, what, device.type)
     table = table.view(world_size, words)
     if isinstance(record, _device_record.DeviceRecord):
         record.received = table  # its results are cut out of the table where it arrived
     return table if device.type == "cpu" else table.cpu()
+
+
+def _start_with_hint(start: Callable[..., Any], output: Tensor, local: Tensor, group: ProcessGroup | None) -> Any:
+    """Start the record exchange; a backend's refusal gets the fix where the facts say that GPUs are shared.
+
+    The first collective on a device creates NCCL's communicator there, which is where NCCL refuses two ranks on one
+    GPU, on every rank of the node at once (see ``_policy.shared_gpu_hint``).
+    """
+    try:
+        return start(output, local, group)
+    except RuntimeError as err:
+        hint = _policy.shared_gpu_hint_for(group, output.device, str(err))
+        if not hint:
+            raise
+        try:
+            hinted = type(err)(f"{err}\n{hint}")
+        except Exception:  # an exception type that takes no message: a plain RuntimeError carries the hint
+            hinted = RuntimeError(f"{err}\n{hint}")
+        raise hinted from err
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -259,7 +278,7 @@ def gather_rounds(
 
 
 def send_to_rank(
-    transfers: list[tuple[int, Tensor | None]],
+    pieces: list[_to_rank.Piece],
     dst: int,
     group: ProcessGroup | None,
     device: torch.device,
@@ -268,26 +287,25 @@ def send_to_rank(
     what: str,
     meanwhile: Callable[[], None] | None = None,
 ) -> None:
-    """Move each ``(src, tensor)`` from rank ``src`` to rank ``dst`` of ``group``: all started at once, then waited for.
+    """Move each piece of a one-rank sync's broadcast route to rank ``dst`` (see :mod:`torchmetrics_varlen._to_rank`).
 
-    One ``all_to_all_single`` per transfer, in which ``src`` sends its bytes to ``dst`` alone: a collective, waited
-    for like every other (gloo's point-to-point works cannot be polled, and a timed wait ends them). Every rank passes
-    the same sources and sizes in the same order (they come from the plan); ``tensor`` is ``dst``'s receive section,
-    ``src``'s data, and None on the other ranks. ``meanwhile`` runs once they are started, before the wait.
+    One ``all_to_all_single`` per piece, all started at once, then waited for; on NCCL one list ``all_gather`` per
+    piece, each waited for before the next reuses the other ranks' scratch buffer. Collectives, waited for like every
+    other (gloo's point-to-point works cannot be polled, and a timed wait ends them). ``meanwhile`` runs once the
+    first are started, before the wait.
     """
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     nothing = torch.empty(1, dtype=torch.uint8, device=device)[:0]  # a valid pointer to no bytes
-    works = []
-    for src, tensor in transfers:
-        data = tensor.view(-1).view(torch.uint8) if tensor is not None else nothing
-        into, out_of = [0] * world_size, [0] * world_size
-        if rank == dst:
-            into[src] = data.numel()
-        if rank == src:
-            out_of[dst] = data.numel()
-        received, sent = (data, nothing) if rank == dst else (nothing, data if rank == src else nothing)
-        works.append((dist.all_to_all_single(received, sent, into, out_of, group=group, async_op=True), device.type))
-    _wait_all(works, group, wait, timeout, what, meanwhile)
+    if _policy.point_to_point(group, device.type):
+        works = [(_to_rank.all_to_all(piece, rank, dst, group, nothing), device.type) for piece in pieces]
+        _wait_all(works, group, wait, timeout, what, meanwhile)
+        return
+    scratch = torch.empty(_to_rank.scratch_bytes(pieces, rank, dst), dtype=torch.uint8, device=device)
+    for number, piece in enumerate(pieces):
+        work = _to_rank.all_gather(piece, rank, group, scratch, nothing)
+        _wait_all([(work, device.type)], group, wait, timeout, what, meanwhile if number == 0 else None)
+    if not pieces and meanwhile is not None:
+        meanwhile()
 
 
 def agree_allocation(
@@ -351,9 +369,14 @@ def gather_to_rank(
 ) -> Tensor | None:
     """Every rank's ``uint8`` buffer (equal sizes) to rank ``dst`` of ``group`` only: ``[world_size, bytes]`` there.
 
-    ``output``: rank ``dst``'s receive buffer (``world_size x bytes``), if allocated already.
+    ``output``: rank ``dst``'s receive buffer (``world_size x bytes``), if allocated already. On NCCL, where a
+    ``gather`` is point to point (``_to_rank``), it is the padded ``all_gather`` (at most the cap, as the plan
+    routes), whose rows the other ranks drop at once.
     """
     rank = dist.get_rank(group)
+    if not _policy.point_to_point(group, buffer.device.type):  # NCCL's gather is point to point: see `_to_rank`
+        rows_everywhere = gather_rows(buffer, group, wait, timeout, what, output if rank == dst else None)
+        return rows_everywhere if rank == dst else None  # the other ranks' copy goes at once
     rows = None
     if rank == dst:
         world_size = dist.get_world_size(group)

@@ -94,8 +94,10 @@ def fallback_timeout(backend: str, device_type: str) -> float:
         (600.0, 1800.0)
         >>> fallback_timeout("cpu:gloo,cuda:nccl", "cuda"), fallback_timeout("cpu:gloo,cuda:nccl", "cpu")
         (600.0, 1800.0)
+        >>> fallback_timeout("nccl2", "cuda")
+        600.0
     """
-    if _policy.serving_backend(backend, device_type) == "nccl":
+    if _policy.is_nccl(backend, device_type):
         nccl: datetime.timedelta | None = getattr(dist.constants, "default_pg_nccl_timeout", None)
         return float((nccl or datetime.timedelta(minutes=10)).total_seconds())
     default: datetime.timedelta = dist.default_pg_timeout
@@ -440,5 +442,5 @@ def _peer_message(
     return (
         f"{what}: rank {rank} lost a peer during the sync: {who} (the backend said: {first}). Check the logs of"
         f" {'those ranks' if crashed else 'the other ranks'} for the original error; this process group cannot be"
-        " used any more."
+        " used any more." + (_policy.SHARED_GPU_FIX if "Duplicate GPU" in error else "")
     )
