@@ -37,12 +37,12 @@ def train(rank: int, world_size: int, steps: int, log_every: int = 3) -> None:
         # Per step, one line: the exact mean over this step's samples of all ranks (one collective, no barrier).
         step_loss = sync_scalars({"loss": loss.detach()}, weight=len(x))["loss"]
         if rank == 0:
-            print(f"step {step}: loss over all ranks' samples {step_loss.item():.4f}")
+            print(f"step {step}: loss over all ranks' samples {step_loss:.4f}")
         if step % log_every == 0:  # per logging window: every key of every rank, one collective once keys are known
             window = scalars.compute()
             scalars.reset()
             if rank == 0:
-                print("window:", {key: round(value.item(), 4) for key, value in window.items()})
+                print("window:", {key: round(value, 4) for key, value in window.items()})
 
 
 def _spawned(rank: int, world_size: int, steps: int, init_file: str) -> None:

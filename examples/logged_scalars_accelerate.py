@@ -22,7 +22,7 @@ def main() -> None:
         scalars.update({"value": x.mean(), "samples": len(x), "largest": x.max()}, weight=len(x))
     logged = scalars.compute()  # the same dict on every rank: log it from the main process
     if accelerator.is_main_process:
-        print("logged:", {key: value.item() for key, value in logged.items()})  # value: 10.0, the mean of 0..20
+        print("logged:", logged)  # value: 10.0, the mean of 0..20
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -61,12 +61,12 @@ def reference(world_size, nan_strategy="warn", window=0):
 def assert_matches(got, expected):
     assert set(got) == set(expected), (sorted(got), sorted(expected))
     for key, value in expected.items():
-        assert got[key].dtype == torch.float64
+        assert isinstance(got[key], float)
         assert (
-            math.isclose(got[key].item(), value, rel_tol=1e-12)
-            or (math.isnan(value) and math.isnan(got[key].item()))
-            or got[key].item() == value
-        ), (key, got[key].item(), value)
+            math.isclose(got[key], value, rel_tol=1e-12)
+            or (math.isnan(value) and math.isnan(got[key]))
+            or got[key] == value
+        ), (key, got[key], value)
 
 
 def body_windows(rank, world_size, nan_strategy):
@@ -83,7 +83,7 @@ def body_windows(rank, world_size, nan_strategy):
         results.append({"values": computed, "collectives": counter.count, "cached": again == computed})
         log.reset()
     one_shot = sync_scalars({"loss": float(rank)}, weight=rank, reduce="mean")
-    return {"windows": results, "one_shot": one_shot["loss"].item()}
+    return {"windows": results, "one_shot": one_shot["loss"]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -103,16 +103,19 @@ def test_scalar_log_matches_one_process(world_size, nan_strategy):
             assert math.isnan(result["one_shot"])
 
 
+WINDOWS = [range(500), range(500), range(2000, 4000), range(2000, 4000)]
+
+
 def body_many_keys(rank, world_size):
-    """500 keys per rank, half of them this rank's own; a later window brings 200 keys no rank had."""
-    log = ScalarLog(reduce={f"s{i}": "sum" for i in range(1200)}, sync_timeout=60)
+    """500 keys per rank, half of them this rank's own; a later window brings 2,000 keys no rank had."""
+    log = ScalarLog(reduce={f"s{i}": "sum" for i in range(4000)}, sync_timeout=60)
     counts, results = [], []
-    for keys in [range(500), range(500), range(1000, 1200)]:
+    for keys in WINDOWS:
         for i in keys:
             key = f"s{i}" if i % 2 else f"m{i}_{rank}"
             log.update({key: float(i * (rank + 1))}, weight=rank + 1)
         with CollectiveCounter() as counter:
-            results.append({key: value.item() for key, value in log.compute().items()})
+            results.append(log.compute())
         counts.append(counter.count)
         log.reset()
     return {"counts": counts, "results": results}
@@ -121,8 +124,8 @@ def body_many_keys(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_many_keys_cost_one_collective_once_known(world_size):
     for result in run_distributed(body_many_keys, world_size, deadline=90):
-        assert result["counts"] == [2, 1, 2]  # new keys (longer records): one more exchange; known keys: one
-        for window, keys in enumerate([range(500), range(500), range(1000, 1200)]):
+        assert result["counts"] == [2, 1, 2, 1]  # new keys (longer records): one more exchange; known keys: one
+        for window, keys in enumerate(WINDOWS):
             expected = {}
             for rank in range(world_size):
                 for i in keys:
@@ -136,7 +139,7 @@ def test_many_keys_cost_one_collective_once_known(world_size):
 def body_disable(rank, world_size):
     log = ScalarLog(reduce={"m": "max"}, nan_strategy="disable")
     log.update({"m": math.nan if rank == 0 else 1.0, "x": 1.0, "inf": INF if rank == 0 else -INF})
-    return {key: value.item() for key, value in log.compute().items()}
+    return log.compute()
 
 
 def test_disable_keeps_nan_and_infinities_propagate():
@@ -154,7 +157,7 @@ def body_mismatch(rank, world_size):
     else:
         message = None
     after = sync_scalars({"acc": float(rank)}, sync_timeout=30)  # nobody was left inside a collective
-    return {"message": message, "after": after["acc"].item()}
+    return {"message": message, "after": after["acc"]}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -204,7 +207,7 @@ def test_local_use_and_argument_errors():
     log = ScalarLog()
     assert log.compute() == {}
     log.update({"a": torch.tensor([2.0]), "b": True}, weight={"a": 3})
-    assert log.compute() == {"a": torch.tensor(2.0, dtype=torch.float64), "b": torch.tensor(1.0, dtype=torch.float64)}
+    assert log.compute() == {"a": 2.0, "b": 1.0}
     with pytest.raises(ValueError, match="real scalar"):
         log.update({"a": torch.ones(2)})
     with pytest.raises(TypeError, match="str"):
@@ -215,3 +218,45 @@ def test_local_use_and_argument_errors():
         ScalarLog(nan_strategy="drop")
     with pytest.raises(RuntimeError, match="nan"):
         ScalarLog(nan_strategy="error").update({"a": math.nan})
+
+
+def test_the_benchmark_counts_what_each_way_costs():
+    from benchmarks._bench_scalars import body
+
+    rows = run_distributed(body, 2, 1, [1, 100], deadline=120)[0]
+    assert [row["keys"] for row in rows] == [1, 100]
+    for row, union in zip(rows, [1, 150]):  # 100 keys per rank, half shared: 150 over 2 ranks
+        assert row["ours"]["collectives"] == 1
+        assert row["all_reduce per key"]["collectives"] == union
+        assert row["all_gather_object"]["collectives"] == 2  # sizes, then the pickled dicts
+
+
+def body_dense(rank, world_size):
+    """Every rank has every key: its record carries the whole layout (a bitmap and every key's words)."""
+    from torchmetrics_varlen import _scalar_record
+
+    log = ScalarLog(reduce={"n": "sum", "hi": "max", "lo": "min"})
+    out = []
+    for window in range(2):
+        for step in range(rank + 1):
+            x = float(rank + step + window)
+            log.update({"loss": x, "n": 1, "hi": x, "lo": -x}, weight=step + 1)
+        record = _scalar_record.make_record(log._acc, log._layout, log._named, "x", 1 << 20)
+        out.append({"dense": record[_scalar_record.S_SPARSE] == -1, "values": log.compute()})
+        log.reset()
+    return out
+
+
+def test_ranks_holding_every_key_send_the_dense_layout():
+    world_size = 3
+    for result in run_distributed(body_dense, world_size):
+        assert result[1]["dense"]  # the second window: every layout key, dense
+        for window, got in enumerate(result):
+            xs = [(float(r + s + window), s + 1) for r in range(world_size) for s in range(r + 1)]
+            expected = {
+                "loss": sum(x * w for x, w in xs) / sum(w for _, w in xs),
+                "n": float(len(xs)),
+                "hi": max(x for x, _ in xs),
+                "lo": min(-x for x, _ in xs),
+            }
+            assert got["values"] == pytest.approx(expected, rel=1e-12)

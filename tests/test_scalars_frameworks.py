@@ -39,7 +39,7 @@ def _lightning_body(rank, world_size):
             if (batch_idx + 1) % LOG_EVERY == 0:  # once per logging interval, every key, one collective
                 window = self.train_scalars.compute()
                 self.log_dict({f"train_{key}": value for key, value in window.items()})
-                self.windows.append({key: value.item() for key, value in window.items()})
+                self.windows.append(window)
                 self.train_scalars.reset()
             return losses.mean()
 

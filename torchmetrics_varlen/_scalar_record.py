@@ -23,14 +23,13 @@ have room for) makes every rank exchange again at the longest length, which the 
 import array
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch import Tensor
 
 from torchmetrics_varlen import _protocol, _transport
 from torchmetrics_varlen._mismatch import check_headers
@@ -41,8 +40,8 @@ MEAN, SUM, MAX, MIN = 1, 2, 3, 4  # reduction codes as they travel (0: none)
 WIDTH = np.array([0, 2, 1, 1, 1], dtype=np.int64)  # float64 words per key, by code
 FIRST = np.array([0.0, 0.0, 0.0, -math.inf, math.inf])  # the identity of each code's first word
 CONTEXT = _protocol.context_hash("torchmetrics_varlen.ScalarLog|compute")
-S_FP, S_K, S_NEW, S_ERR = range(_protocol.HEADER_LEN, _protocol.HEADER_LEN + 4)
-PAYLOAD = S_ERR + 1
+S_FP, S_K, S_NEW, S_ERR, S_SPARSE = range(_protocol.HEADER_LEN, _protocol.HEADER_LEN + 5)
+PAYLOAD = S_SPARSE + 1
 ERR_TOO_LONG = 1
 Array = npt.NDArray[Any]
 
@@ -112,36 +111,51 @@ def _words(data: bytes) -> Array:
     return np.frombuffer(data.ljust(-(-len(data) // 8) * 8, b"\0"), dtype=np.int64)
 
 
+def _packed(first: Array, weight: Array, codes: Array) -> Array:
+    """Keys' words back to back: their first word, then Σ w for ``"mean"`` keys."""
+    widths = WIDTH[codes]
+    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64) if len(codes) else codes
+    out = np.zeros(int(widths.sum()))
+    out[starts] = first
+    out[starts[codes == MEAN] + 1] = weight[codes == MEAN]
+    return out
+
+
+def _known_words(acc: Accumulator, layout: Layout, named: "set[str]") -> list[Array]:
+    """The layout keys this rank updated: dense (bitmap, every layout key's words) or sparse, whichever is shorter.
+
+    Sparse: the keys' layout positions (``int32``, two per word), then their words. Each rank picks alone and says
+    which in ``S_SPARSE``, so a rank with a few of many keys (keys that differ by rank) sends only those.
+    """
+    known = [(layout.position[key], acc.index[key]) for key in acc.index if key in named]
+    pos, at = (np.asarray(column, dtype=np.int64) for column in zip(*known)) if known else (np.zeros(0, np.int64),) * 2
+    sparse = _packed(acc.first[at], acc.weight[at], acc.codes[at])
+    if -(-len(pos) // 2) + len(sparse) < -(-len(layout.names) // 64) + int(layout.offsets[-1]):
+        return [np.asarray([len(pos)]), _words(pos.astype(np.int32).tobytes()), sparse.view(np.int64)]
+    values, present = layout.identity(), np.zeros(len(layout.names), dtype=bool)
+    present[pos] = True
+    values[layout.offsets[pos]] = acc.first[at]
+    mean = acc.codes[at] == MEAN
+    values[layout.offsets[pos[mean]] + 1] = acc.weight[at[mean]]
+    return [np.asarray([-1]), _words(np.packbits(present, bitorder="little").tobytes()), values.view(np.int64)]
+
+
 def make_record(acc: Accumulator, layout: Layout, named: "set[str]", label: str, cap: int) -> "array.array[int]":
     """This rank's record: what it updated since reset, laid out as the agreed ``layout``, plus keys it names anew."""
-    local = list(acc.index)
-    fresh = [key for key in local if key not in named]  # first named by this rank: name and values ride together
-    known = [(layout.position[key], acc.index[key]) for key in local if key in named]
-    values = layout.identity()
-    present = np.zeros(len(layout.names), dtype=bool)
-    if known:
-        pos, at = (np.asarray(column, dtype=np.int64) for column in zip(*known))
-        present[pos] = True
-        values[layout.offsets[pos]] = acc.first[at]
-        mean = acc.codes[at] == MEAN
-        values[layout.offsets[pos[mean]] + 1] = acc.weight[at[mean]]
+    fresh = [key for key in acc.index if key not in named]  # first named by this rank: name and values ride together
     encoded = [key.encode() for key in fresh]
     at = np.asarray([acc.index[key] for key in fresh], dtype=np.int64)
     heads = acc.codes[at] | (np.asarray([len(name) for name in encoded], dtype=np.int64) << 8)
-    widths = WIDTH[acc.codes[at]]
-    fresh_values = np.zeros(int(widths.sum()))
-    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64) if len(fresh) else at
-    fresh_values[starts] = acc.first[at]
-    fresh_values[starts[acc.codes[at] == MEAN] + 1] = acc.weight[at[acc.codes[at] == MEAN]]
-    bitmap = _words(np.packbits(present, bitorder="little").tobytes())
-    body = [bitmap, values.view(np.int64), heads, _words(b"".join(encoded)), fresh_values.view(np.int64)]
+    fresh_values = _packed(acc.first[at], acc.weight[at], acc.codes[at])
+    sparse, *known = _known_words(acc, layout, named)
+    body = [*known, heads, _words(b"".join(encoded)), fresh_values.view(np.int64)]
     header = _protocol.describe([], CONTEXT, label, cap=cap)
     total = PAYLOAD + sum(len(part) for part in body)
     error = 0
     if total > _transport.MAX_WORDS:  # every rank raises, naming this one, from the first exchange
         body, total, error = [], PAYLOAD, ERR_TOO_LONG
     header[_protocol.H_WORDS] = total
-    record = array.array("q", [*header, layout.fingerprint, len(layout.names), len(fresh), error])
+    record = array.array("q", [*header, layout.fingerprint, len(layout.names), len(fresh), error, int(sparse[0])])
     for part in body:
         record.frombytes(np.ascontiguousarray(part, dtype=np.int64).tobytes())
     return record
@@ -166,47 +180,71 @@ def check_table(table: Array, what: str) -> None:
         )
 
 
-def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], list[int], dict[str, float]]:
-    """Every key updated on some rank, reduced over the ranks: (new names, their codes, results); layout unchanged."""
+def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], list[int], dict[str, float], int]:
+    """Every key updated on some rank, reduced over the ranks; the layout is left unchanged.
+
+    Returns the keys new to the layout and their codes, the results, and the next record's length (``reserve``).
+    """
     world, k = table.shape[0], len(layout.names)
-    named = _named_anew(table, k, int(layout.offsets[-1]))
+    words = np.tile(layout.identity(), (world, 1))
+    present = np.zeros((world, k), dtype=bool)
+    named = [_new_keys(row, _read_known(row, layout, words[rank], present[rank])) for rank, row in enumerate(table)]
     new_names, new_codes = _agree_new_keys(named, layout, what)
     grown = Layout(list(layout.names), dict(layout.position), layout.codes, layout.offsets, layout.fingerprint)
     grown.extend(new_names, new_codes)
-    words = np.tile(grown.identity(), (world, 1))
-    present = np.zeros((world, len(grown.names)), dtype=bool)
-    bitmap_words = -(-k // 64)
-    bits = table[:, PAYLOAD : PAYLOAD + bitmap_words].copy().view(np.uint8)
-    present[:, :k] = np.unpackbits(bits, axis=1, bitorder="little")[:, :k].astype(bool)
-    start = PAYLOAD + bitmap_words
-    words[:, : layout.offsets[-1]] = table[:, start : start + int(layout.offsets[-1])].view(np.float64)
+    words = np.concatenate([words, np.tile(grown.identity()[int(layout.offsets[-1]) :], (world, 1))], axis=1)
+    present = np.concatenate([present, np.zeros((world, len(new_names)), dtype=bool)], axis=1)
     for rank, entries in enumerate(named):
         for name, _, values in entries:
             pos = grown.position[name]
             present[rank, pos] = True
             words[rank, grown.offsets[pos] : grown.offsets[pos + 1]] = values
-    return new_names, new_codes, _reduce(words, present, grown)
+    return new_names, new_codes, _reduce(words, present, grown), _next_words(present, grown)
 
 
-def _named_anew(table: Array, k: int, layout_words: int) -> list[list[tuple[str, int, Array]]]:
-    """Per rank, the keys it names for the first time: (name, code, its words)."""
-    named = []
-    start = PAYLOAD + -(-k // 64) + layout_words
-    for row in table:
-        count = int(row[S_NEW])
-        heads = row[start : start + count]
-        lengths = (heads >> 8).tolist()
-        name_words = -(-sum(lengths) // 8)
-        blob = row[start + count : start + count + name_words].tobytes()
-        values = row[start + count + name_words :].view(np.float64)
-        entries, at, cursor = [], 0, 0
-        for head, length in zip(heads.tolist(), lengths):
-            code = head & 0xFF
-            width = int(WIDTH[code]) if 0 < code < len(WIDTH) else 0
-            entries.append((blob[at : at + length].decode(), code, values[cursor : cursor + width].copy()))
-            at, cursor = at + length, cursor + width
-        named.append(entries)
-    return named
+def _next_words(present: Array, layout: Layout) -> int:
+    """The longest record a window of the same keys per rank sends next (each rank dense or sparse, as it picks)."""
+    dense = -(-len(layout.names) // 64) + int(layout.offsets[-1])
+    counts = present.sum(axis=1)
+    sparse = -(-counts // 2) + present.astype(np.int64) @ WIDTH[layout.codes]
+    return PAYLOAD + int(np.minimum(sparse, dense).max(initial=0))
+
+
+def _read_known(row: Array, layout: Layout, words: Array, present: Array) -> int:
+    """A rank's layout keys into ``words`` and ``present`` (its rows); where its new keys start in ``row``."""
+    start, count = PAYLOAD, int(row[S_SPARSE])
+    if count < 0:  # dense: the bitmap, then every layout key's words
+        bitmap_words, length = -(-len(layout.names) // 64), int(layout.offsets[-1])
+        bits = np.unpackbits(row[start : start + bitmap_words].view(np.uint8), bitorder="little")
+        present[:] = bits[: len(layout.names)].astype(bool)
+        words[:] = row[start + bitmap_words : start + bitmap_words + length].view(np.float64)
+        return start + bitmap_words + length
+    pos = row[start : start + -(-count // 2)].view(np.int32)[:count].astype(np.int64)
+    codes = layout.codes[pos]
+    widths = WIDTH[codes]
+    values = row[start + -(-count // 2) : start + -(-count // 2) + int(widths.sum())].view(np.float64)
+    starts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(np.int64) if count else pos
+    present[pos] = True
+    words[layout.offsets[pos]] = values[starts]
+    words[layout.offsets[pos[codes == MEAN]] + 1] = values[starts[codes == MEAN] + 1]
+    return start + -(-count // 2) + int(widths.sum())
+
+
+def _new_keys(row: Array, start: int) -> list[tuple[str, int, Array]]:
+    """The keys a rank names for the first time, from ``start`` in its row: (name, code, its words)."""
+    count = int(row[S_NEW])
+    heads = row[start : start + count]
+    lengths = (heads >> 8).tolist()
+    name_words = -(-sum(lengths) // 8)
+    blob = row[start + count : start + count + name_words].tobytes()
+    values = row[start + count + name_words :].view(np.float64)
+    entries, at, cursor = [], 0, 0
+    for head, length in zip(heads.tolist(), lengths):
+        code = head & 0xFF
+        width = int(WIDTH[code]) if 0 < code < len(WIDTH) else 0
+        entries.append((blob[at : at + length].decode(), code, values[cursor : cursor + width].copy()))
+        at, cursor = at + length, cursor + width
+    return entries
 
 
 def _agree_new_keys(
@@ -260,17 +298,16 @@ def _reduce(words: Array, present: Array, layout: Layout) -> dict[str, float]:
     return {layout.names[i]: float(out[i]) for i in keep.tolist()}
 
 
-def reserve(group: Any, layout: Layout) -> None:
-    """Make the group's agreed record length room for the next record of known keys (every rank alike).
+def reserve(group: Any, words: int) -> None:
+    """Make the group's agreed record length room for ``words``: the next window's record of the same keys.
 
-    Decided from the exchanged table (the grown layout), so equal on every rank: the next ``compute()`` of the same
-    keys is one collective, until ``RECORD_WINDOW`` syncs of the group without this one shrink the length again.
+    Decided from the exchanged table, so equal on every rank: the next ``compute()`` of the same keys is one
+    collective, until ``RECORD_WINDOW`` syncs of the group without this one shrink the length again.
     """
-    state = _transport.group_state(group)
-    needed = PAYLOAD + -(-len(layout.names) // 64) + int(layout.offsets[-1])
-    if needed <= _transport.MAX_WORDS:
-        state.words = max(state.words, needed)
-        state.longest = max(state.longest, needed)
+    if words <= _transport.MAX_WORDS:
+        state = _transport.group_state(group)
+        state.words = max(state.words, words)
+        state.longest = max(state.longest, words)
 
 
 def local_results(acc: Accumulator) -> dict[str, float]:
@@ -281,8 +318,3 @@ def local_results(acc: Accumulator) -> dict[str, float]:
     words[0, layout.offsets[:-1]] = acc.first
     words[0, layout.offsets[:-1][acc.codes == MEAN] + 1] = acc.weight[acc.codes == MEAN]
     return _reduce(words, np.ones((1, len(layout.names)), dtype=bool), layout)
-
-
-def to_tensors(results: Mapping[str, float]) -> dict[str, Tensor]:
-    """Results as float64 0-d tensors."""
-    return {key: torch.tensor(value, dtype=torch.float64) for key, value in results.items()}

@@ -32,7 +32,8 @@ class ScalarLog(Metric):
     * ``"sum"``: :math:`\sum v`; ``"max"`` and ``"min"``. The weight counts for ``"mean"`` keys only.
 
     Keys may differ between ranks and between windows; a rank that updated nothing takes part and gets the same dict.
-    Values accumulate in float64 whatever their dtype, and the result is the same float64 on every rank. NaN is
+    Values accumulate in float64 whatever their dtype, and the results (Python floats, ready for any logger) are the
+    same on every rank. NaN is
     handled as torchmetrics' aggregation metrics handle it (``nan_strategy``); infinities propagate.
 
     **One collective per** ``compute()``: one exchange of the engine's metadata records, which carry every rank's
@@ -57,7 +58,7 @@ class ScalarLog(Metric):
         >>> log = ScalarLog(reduce={"tokens": "sum", "grad_norm": "max"})
         >>> log.update({"loss": torch.tensor(2.0), "tokens": 30, "grad_norm": 1.5}, weight=30)
         >>> log.update({"loss": 0.5, "tokens": 10, "grad_norm": 0.7}, weight=10)
-        >>> {key: round(value.item(), 4) for key, value in log.compute().items()}  # loss: (60 + 5) / 40
+        >>> log.compute()  # loss: (2.0 * 30 + 0.5 * 10) / 40
         {'loss': 1.625, 'tokens': 40.0, 'grad_norm': 1.5}
     """
 
@@ -94,8 +95,8 @@ class ScalarLog(Metric):
             if not isinstance(key, str):
                 raise TypeError(f"Expected the keys of `values` to be str but got {key!r}")
         weights = [weight.get(key, 1) for key in keys] if isinstance(weight, Mapping) else [weight] * len(keys)
-        v = _host_floats([values[key] for key in keys], "values", keys)
-        w = _host_floats(weights, "weight", keys)
+        both = _host_floats([values[key] for key in keys] + weights, keys)  # one copy per device for both
+        v, w = both[: len(keys)], both[len(keys) :]
         codes = [self._code(key) for key in keys]
         self._acc.add(keys, codes, *self._handle_nan(keys, np.asarray(codes, dtype=np.int64), v, w))
 
@@ -118,10 +119,9 @@ class ScalarLog(Metric):
         """Same as :meth:`update` (a logging window is reduced by :meth:`compute`, never per call)."""
         self.update(values, weight)
 
-    def compute(self) -> dict[str, Tensor]:
-        """Every key updated on some rank since the last ``reset()``, reduced over all ranks (float64 0-d tensors)."""
-        results = self._global if self._global is not None else _rec.local_results(self._acc)
-        return _rec.to_tensors(results)
+    def compute(self) -> dict[str, float]:
+        """Every key updated on some rank since the last ``reset()``, reduced over all ranks (Python floats)."""
+        return dict(self._global if self._global is not None else _rec.local_results(self._acc))
 
     def reset(self) -> None:
         """Start a new window (the agreed key layout is kept: known keys' names never travel again)."""
@@ -139,9 +139,9 @@ class ScalarLog(Metric):
         exchanged = _transport.exchange_records(record, group, policy.device, policy.wait, self.sync_timeout, what)
         table = exchanged.numpy()
         _rec.check_table(table, what)
-        new_names, new_codes, results = _rec.reduce_table(table, self._layout, what)
+        new_names, new_codes, results, next_words = _rec.reduce_table(table, self._layout, what)
         self._layout.extend(new_names, new_codes)
-        _rec.reserve(group, self._layout)
+        _rec.reserve(group, next_words)
         self._named.update(self._acc.index)
         self._global = results
 
@@ -150,6 +150,11 @@ class ScalarLog(Metric):
         super().unsync(should_unsync)
         if not self._is_synced:
             self._global = None
+
+    @staticmethod
+    def _finish(value: Any) -> Any:
+        # A fresh dict of Python floats: nothing to clone or squeeze (walking thousands of keys costs milliseconds).
+        return value
 
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
         wrapped = super()._wrap_compute(compute)
@@ -170,7 +175,7 @@ def sync_scalars(
     reduce: str | Mapping[str, str] = "mean",
     process_group: Any = None,
     **kwargs: Any,
-) -> dict[str, Tensor]:
+) -> dict[str, float]:
     """Reduce one set of named scalars over all ranks, exactly: a one-window :class:`ScalarLog` in one line.
 
     The replacement of ``all_reduce(loss); loss /= world_size`` (a mean of per-rank means, wrong whenever the ranks
@@ -187,12 +192,12 @@ def sync_scalars(
         kwargs: keyword arguments of :class:`ScalarLog` (``nan_strategy``, ``sync_timeout``).
 
     Returns:
-        Every key of any rank, reduced over the ranks that had it, as float64 0-d tensors.
+        Every key of any rank, reduced over the ranks that had it, as Python floats (float64).
 
     Example:
         >>> from torchmetrics_varlen import sync_scalars
         >>> sync_scalars({"loss": 0.25, "correct": 7}, weight=8, reduce={"correct": "sum"})  # a group of one
-        {'loss': tensor(0.2500, dtype=torch.float64), 'correct': tensor(7., dtype=torch.float64)}
+        {'loss': 0.25, 'correct': 7.0}
     """
     log = ScalarLog(reduce=reduce, process_group=process_group, **kwargs)
     log.update(values, weight)
@@ -208,22 +213,23 @@ def _check_reduce(reduce: Any) -> str | dict[str, str]:
     return reduce if isinstance(reduce, str) else dict(reduce)
 
 
-def _host_floats(items: list[Any], what: str, keys: list[str]) -> Any:
-    """``items`` as one float64 host array: Python numbers as they are, tensors in one copy per device."""
+def _host_floats(items: list[Any], keys: list[str]) -> Any:
+    """``items`` (the values of ``keys``, then their weights) as one float64 host array: one copy per device."""
     out = np.empty(len(items))
     by_device: dict[torch.device, list[int]] = {}
     for i, item in enumerate(items):
+        what, key = ("values", keys[i]) if i < len(keys) else ("weight", keys[i - len(keys)])
         if isinstance(item, Tensor):
             if item.numel() != 1 or item.is_complex():
                 raise ValueError(
-                    f"Expected `{what}` of key {keys[i]!r} to be a real scalar (one element) but got a tensor of shape"
+                    f"Expected `{what}` of key {key!r} to be a real scalar (one element) but got a tensor of shape"
                     f" {tuple(item.shape)} and dtype {item.dtype}"
                 )
             by_device.setdefault(item.device, []).append(i)
         elif isinstance(item, (int, float)) and not isinstance(item, complex):
             out[i] = float(item)
         else:
-            raise TypeError(f"Expected `{what}` of key {keys[i]!r} to be a float, int or 0-d tensor but got {item!r}")
+            raise TypeError(f"Expected `{what}` of key {key!r} to be a float, int or 0-d tensor but got {item!r}")
     for at in by_device.values():
         stacked = torch.stack([items[i].detach().reshape(()) for i in at]).to(torch.float64)
         out[at] = stacked.cpu().numpy()  # one device-to-host copy per device and update
