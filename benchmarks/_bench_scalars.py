@@ -13,7 +13,9 @@ Reported per window: the median time on rank 0, the collectives, and the bytes r
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -55,6 +57,21 @@ def _gather_object(local: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {name: wv / w for name, (wv, w) in totals.items()}
 
 
+def _median_ms(fns: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median ms of each of ``fns`` after one warm-up call each, taking turns, every rank starting together."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up: ours agrees its key layout here
+        dist.barrier()
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 @contextlib.contextmanager
 def _inner_gathers_seen() -> Iterator[None]:
     """``all_gather_object`` calls ``all_gather`` by its module's name: point that name at the meter's wrapper."""
@@ -69,7 +86,6 @@ def _inner_gathers_seen() -> Iterator[None]:
 
 def body(rank: int, world_size: int, repeats: int, key_counts: list[int]) -> list[dict[str, Any]]:
     """One row per key count: each side's median ms, collectives and bytes received by rank 0."""
-    from benchmarks.bench import _median_ms
     from torchmetrics_varlen import ScalarLog
 
     rows = []
@@ -83,13 +99,13 @@ def body(rank: int, world_size: int, repeats: int, key_counts: list[int]) -> lis
             "all_reduce per key": functools.partial(_per_key, union, local),
             "all_gather_object": functools.partial(_gather_object, local),
         }
-        timed = _median_ms(fns, max(3, repeats // (1 + keys // 100)))  # its warm-up agrees ours' key layout
+        timed = _median_ms(fns, max(3, repeats // (1 + keys // 100)))
         row: dict[str, Any] = {"keys": keys, "world_size": world_size}
         for side, fn in fns.items():
             dist.barrier()
             with ByteMeter() as meter, _inner_gathers_seen():
                 fn()
-            row[side] = {"ms": timed[side][0], "collectives": meter.collectives, "received": meter.received}
+            row[side] = {"ms": timed[side], "collectives": meter.collectives, "received": meter.received}
         rows.append(row)
     return rows
 

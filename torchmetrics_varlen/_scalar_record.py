@@ -5,13 +5,14 @@ A :class:`~torchmetrics_varlen.ScalarLog` sync is one metadata exchange of the e
 ranks). Its record is a protocol header with no entries (so a rank syncing a metric at the same step raises
 `SyncMismatchError` alike, through ``_mismatch.check_headers``) followed by:
 
-* ``S_FP``, ``S_K``, ``S_NEW``, ``S_ERR``: the fingerprint and length of the key layout this rank holds, how many
-  keys it names for the first time, a local problem;
-* a presence bitmap over the layout (which layout keys this rank updated since its ``reset()``);
-* the layout's values: per key its reduction's words (``mean``: Σ w·v and Σ w; ``sum``, ``max``, ``min``: one),
-  the identity where this rank has no update;
+* ``S_FP``, ``S_K``, ``S_NEW``, ``S_ERR``, ``S_SPARSE``: the fingerprint and length of the key layout this rank
+  holds, how many keys it names for the first time, a local problem, and how its layout keys travel;
+* the layout keys it updated since its ``reset()``, each with its reduction's words (``mean``: Σ w·v and Σ w;
+  ``sum``, ``max``, ``min``: one), either dense (a presence bitmap and every layout key's words, the identity where
+  it has no update; ``S_SPARSE`` -1) or sparse (its keys' layout positions as ``int32``, then their words;
+  ``S_SPARSE`` their number), whichever is shorter;
 * the keys it names for the first time: one word each (reduction code and name length), the names' UTF-8 bytes,
-  then their values.
+  then their words.
 
 Every rank decodes the same table, extends the layout alike (new names in rank order) and reduces every key over
 the ranks in the same order, in float64: the results are identical on every rank. A record within the group's
