@@ -208,6 +208,10 @@ def test_local_use_and_argument_errors():
     assert log.compute() == {}
     log.update({"a": torch.tensor([2.0]), "b": True}, weight={"a": 3})
     assert log.compute() == {"a": 2.0, "b": 1.0}
+    import copy
+    import pickle
+
+    assert copy.deepcopy(log).compute() == pickle.loads(pickle.dumps(log)).compute() == log.compute()
     with pytest.raises(ValueError, match="real scalar"):
         log.update({"a": torch.ones(2)})
     with pytest.raises(TypeError, match="str"):
