@@ -184,7 +184,7 @@ def check_table(table: Array, what: str) -> None:
 def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], list[int], dict[str, float], int]:
     """Every key updated on some rank, reduced over the ranks; the layout is left unchanged.
 
-    Returns the keys new to the layout and their codes, the results, and the next record's length (``reserve``).
+    Returns the keys new to the layout and their codes, the results, and the next record's length (``settle``).
     """
     world, k = table.shape[0], len(layout.names)
     words = np.tile(layout.identity(), (world, 1))
@@ -299,16 +299,23 @@ def _reduce(words: Array, present: Array, layout: Layout) -> dict[str, float]:
     return {layout.names[i]: float(out[i]) for i in keep.tolist()}
 
 
-def reserve(group: Any, words: int) -> None:
-    """Make the group's agreed record length room for ``words``: the next window's record of the same keys.
+def settle(group: Any, before: tuple[int, int, int], words: int) -> None:
+    """Size the group's agreed record length for the next window of the same keys (``words``), on every rank alike.
 
-    Decided from the exchanged table, so equal on every rank: the next ``compute()`` of the same keys is one
-    collective, until ``RECORD_WINDOW`` syncs of the group without this one shrink the length again.
+    ``before``: the group's ``(words, longest, left)`` before this sync. A record that carried names made the engine
+    keep its length; the next window's record of the same keys is ``words`` long (names travel once), so the group
+    goes back to what it agreed before, or ``words`` if that is longer: the next ``compute()`` is one collective, and
+    the other syncs of the group do not carry the names' room for 64 syncs. When this sync closed the engine's window
+    of syncs (``left`` starts again) the engine's own choice stands, grown to ``words``. Every input comes from the
+    exchanged tables, so every rank decides alike.
     """
-    if words <= _transport.MAX_WORDS:
-        state = _transport.group_state(group)
-        state.words = max(state.words, words)
-        state.longest = max(state.longest, words)
+    state = _transport.group_state(group)
+    if words > _transport.MAX_WORDS:
+        return
+    if state.left < before[2]:  # the same window of the engine: undo what the names' room added
+        state.words, state.longest = max(before[0], words), max(before[1], words)
+    else:
+        state.words, state.longest = max(state.words, words), max(state.longest, words)
 
 
 def local_results(acc: Accumulator) -> dict[str, float]:

@@ -136,12 +136,14 @@ class ScalarLog(Metric):
         cap = self.sync_cap if self.sync_cap is not None else _cap.resolve_cap()
         policy = _policy.policy_for(group, self.device, None)
         record = _rec.make_record(self._acc, self._layout, self._named, label, cap)
+        state = _transport.group_state(group)
+        before = (state.words, state.longest, state.left)
         exchanged = _transport.exchange_records(record, group, policy.device, policy.wait, self.sync_timeout, what)
         table = exchanged.numpy()
         _rec.check_table(table, what)
         new_names, new_codes, results, next_words = _rec.reduce_table(table, self._layout, what)
         self._layout.extend(new_names, new_codes)
-        _rec.reserve(group, next_words)
+        _rec.settle(group, before, next_words)
         self._named.update(self._acc.index)
         self._global = results
 
