@@ -320,6 +320,10 @@ def main(
     table = format_table(rows, world_size, repeats, collection_repeats)
     if memory is not None:
         table += "\n\n" + format_memory_table(memory)
+    from benchmarks import _bench_scalars
+
+    scalars = _bench_scalars.run(quick, repeats)  # logged scalars: ScalarLog vs per-key all_reduce vs gather_object
+    table += "\n\n" + scalars["table"]
     print(table)
     large = None
     if skew is not None:
@@ -330,6 +334,7 @@ def main(
         with open(table_path, "w") as out:  # a literal block, included by docs/benchmarks.rst
             out.write("::\n\n" + "\n".join(f"    {line}".rstrip() for line in table.splitlines()) + "\n")
     result = {"world_size": world_size, "repeats": repeats, "rows": rows, "memory": memory, "large": large}
+    result["scalars"] = scalars["rows"]
     print(json.dumps(result, indent=1))
     if json_path:
         with open(json_path, "w") as out:

@@ -10,6 +10,7 @@ from torchmetrics_varlen.mesh import mesh_group
 from torchmetrics_varlen.metric import Metric, rebase
 from torchmetrics_varlen.onerank import compute_on_rank
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
+from torchmetrics_varlen.scalars import ScalarLog, sync_scalars
 
 __version__ = "0.1.0"
 
@@ -17,6 +18,7 @@ __all__ = [
     "IndexedMetric",
     "Metric",
     "MetricCollection",
+    "ScalarLog",
     "SoftF1Loss",
     "SyncError",
     "SyncMemoryError",
@@ -30,4 +32,5 @@ __all__ = [
     "join",
     "mesh_group",
     "rebase",
+    "sync_scalars",
 ]

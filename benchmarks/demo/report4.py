@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torchmetrics.aggregation import MeanMetric
 
 from benchmarks.demo._common import NOTE, OURS, STOCK, TODAY, Method, Rows, Section, close, line
-from torchmetrics_varlen import Metric, MetricCollection
+from torchmetrics_varlen import Metric, MetricCollection, ScalarLog, sync_scalars
 
 TITLE = "4. Mean of means: per-rank means all-reduced and divided by the world size"
 
@@ -53,14 +53,22 @@ def evaluate(rank: int, world_size: int, kind: str) -> dict[str, Any]:
         dist.barrier()  # as in the usual recipe
         dist.all_reduce(local, op=dist.ReduceOp.SUM)
         return {"value": float(local / dist.get_world_size()), "warnings": []}
+    if kind == "sync_scalars":  # the recipe's one-line replacement: each rank's mean, weighted by its samples
+        return {"value": sync_scalars({"acc": data.mean()}, weight=data.numel())["acc"], "warnings": []}
     if kind == "stock":
         metric: Any = MeanMetric()
     elif kind == "ours":
         metric = MetricCollection({"acc": MeanMetric()})
+    elif kind == "scalar_log":
+        metric = ScalarLog()
     else:
         metric = PerRankMean()
     for start in range(0, data.numel(), 32):
-        metric.update(data[start : start + 32])
+        batch = data[start : start + 32]
+        if kind == "scalar_log":  # a logged scalar per batch, weighted by the batch's size
+            metric.update({"acc": batch.mean()}, weight=batch.numel())
+        else:
+            metric.update(batch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = metric.compute()
@@ -74,6 +82,8 @@ def methods(world_size: int) -> list[Method]:
         Method("all_reduce(SUM) / W (+ barrier)", TODAY, functools.partial(evaluate, kind="today")),
         Method("stock torchmetrics MeanMetric", STOCK, functools.partial(evaluate, kind="stock")),
         Method("ours: MetricCollection(MeanMetric)", OURS, functools.partial(evaluate, kind="ours")),
+        Method("ours: sync_scalars(mean, weight=n)", OURS, functools.partial(evaluate, kind="sync_scalars")),
+        Method("ours: ScalarLog, batch means", OURS, functools.partial(evaluate, kind="scalar_log")),
         Method('ours: a dist_reduce_fx="mean" state', NOTE, functools.partial(evaluate, kind="mean_state")),
     ]
 

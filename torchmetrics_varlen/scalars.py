@@ -1,0 +1,238 @@
+"""Logged scalars (losses, accuracies, counters), reduced exactly across ranks in one collective."""
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torchmetrics.utilities import rank_zero_warn
+
+from torchmetrics_varlen import _cap, _policy, _transport
+from torchmetrics_varlen import _scalar_record as _rec
+from torchmetrics_varlen.gather import gather_all_tensors
+from torchmetrics_varlen.metric import Metric
+
+__all__ = ["ScalarLog", "sync_scalars"]
+
+Number = float | int | bool | Tensor
+_NAN_STRATEGIES = ("error", "warn", "ignore", "disable")
+
+
+class ScalarLog(Metric):
+    r"""Named scalars accumulated over a logging window and reduced over every update of every rank, exactly.
+
+    ``update({"loss": loss, "acc": acc}, weight=batch_size)`` adds one update per key; ``compute()`` returns a dict
+    with every key that any rank updated since the last ``reset()``, each reduced over all updates of all ranks that
+    had it, as one process would on all the updates:
+
+    * ``"mean"`` (the default): the weighted mean :math:`\sum w\,v / \sum w` (not a mean of per-rank means);
+    * ``"sum"``: :math:`\sum v`; ``"max"`` and ``"min"``. The weight counts for ``"mean"`` keys only.
+
+    Keys may differ between ranks and between windows; a rank that updated nothing takes part and gets the same dict.
+    Values accumulate in float64 whatever their dtype, and the results (Python floats, ready for any logger) are the
+    same on every rank. NaN is
+    handled as torchmetrics' aggregation metrics handle it (``nan_strategy``); infinities propagate.
+
+    **One collective per** ``compute()``: one exchange of the engine's metadata records, which carry every rank's
+    packed values (see the "Logged scalars" docs page for its cost). Names travel once: the ranks agree on a key
+    layout, which each keeps, and a fingerprint of it rides in every record; a window in which some rank updates a key
+    for the first time (or a record longer than the group's records so far) exchanges once more. A rank that never
+    calls ``compute()`` makes the others raise :class:`~torchmetrics_varlen.SyncTimeoutError` naming it; ranks that
+    give a key different reductions raise :class:`~torchmetrics_varlen.SyncMismatchError` on every rank, naming it.
+
+    Args:
+        reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for every key, or a mapping from key to one of them
+            (keys not in it take ``"mean"``).
+        nan_strategy: as for :class:`torchmetrics.aggregation.MeanMetric`: ``"warn"`` (drop NaN values, with a
+            warning), ``"error"``, ``"ignore"`` (drop silently), ``"disable"`` (keep them: the key's result is NaN) or
+            a float that replaces them (with weight 1, as torchmetrics does). A NaN weight of a ``"mean"`` key counts
+            as a NaN value.
+        kwargs: keyword arguments of :class:`~torchmetrics_varlen.Metric` (``process_group``, ``sync_timeout``, ...).
+
+    Example:
+        >>> import torch
+        >>> from torchmetrics_varlen import ScalarLog
+        >>> log = ScalarLog(reduce={"tokens": "sum", "grad_norm": "max"})
+        >>> log.update({"loss": torch.tensor(2.0), "tokens": 30, "grad_norm": 1.5}, weight=30)
+        >>> log.update({"loss": 0.5, "tokens": 10, "grad_norm": 0.7}, weight=10)
+        >>> log.compute()  # loss: (2.0 * 30 + 0.5 * 10) / 40
+        {'loss': 1.625, 'tokens': 40.0, 'grad_norm': 1.5}
+    """
+
+    full_state_update = False
+    is_differentiable = False
+    higher_is_better = None
+
+    def __init__(
+        self, reduce: str | Mapping[str, str] = "mean", nan_strategy: str | float = "warn", **kwargs: Any
+    ) -> None:
+        kwargs.setdefault("dist_sync_fn", gather_all_tensors)
+        super().__init__(**kwargs)
+        self.reduce = _check_reduce(reduce)
+        if not isinstance(nan_strategy, float) and nan_strategy not in _NAN_STRATEGIES:
+            raise ValueError(
+                f"Expected `nan_strategy` to be a float or one of {_NAN_STRATEGIES} but got {nan_strategy!r}"
+            )
+        self.nan_strategy = nan_strategy
+        self._acc = _rec.Accumulator()
+        self._layout = _rec.Layout()  # agreed with the other ranks at the syncs so far; kept across resets
+        self._named: set[str] = set()  # keys whose name and reduction this rank has sent
+        self._global: dict[str, float] | None = None
+
+    def _code(self, key: str) -> int:
+        name = self.reduce if isinstance(self.reduce, str) else self.reduce.get(key, "mean")
+        return _rec.REDUCTIONS.index(name) + 1
+
+    def update(self, values: Mapping[str, Number], weight: Number | Mapping[str, Number] = 1) -> None:
+        """Add one value per key (a float, int or one-element tensor), with a weight (one, or one per key)."""
+        if not isinstance(values, Mapping):
+            raise TypeError(f"Expected `values` to be a mapping from str keys to scalars but got {type(values)}")
+        keys = list(values)
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(f"Expected the keys of `values` to be str but got {key!r}")
+        weights = [weight.get(key, 1) for key in keys] if isinstance(weight, Mapping) else [weight] * len(keys)
+        both = _host_floats([values[key] for key in keys] + weights, keys)  # one copy per device for both
+        v, w = both[: len(keys)], both[len(keys) :]
+        codes = [self._code(key) for key in keys]
+        self._acc.add(keys, codes, *self._handle_nan(keys, np.asarray(codes, dtype=np.int64), v, w))
+
+    def _handle_nan(self, keys: list[str], codes: Any, v: Any, w: Any) -> tuple[Any, Any]:
+        """Values and weights with NaN handled as ``nan_strategy`` says (as torchmetrics' aggregation metrics)."""
+        nans = np.isnan(v) | ((codes == _rec.MEAN) & np.isnan(w))
+        if self.nan_strategy == "disable" or not nans.any():
+            return v, w
+        named = [key for key, nan in zip(keys, nans.tolist()) if nan]
+        if self.nan_strategy == "error":
+            raise RuntimeError(f"Encountered `nan` values in ScalarLog keys {named}")
+        if isinstance(self.nan_strategy, float):
+            return np.where(nans, self.nan_strategy, v), np.where(nans, 1.0, w)
+        if self.nan_strategy == "warn":
+            rank_zero_warn(f"Encountered `nan` values in ScalarLog keys {named}. Will be removed.", UserWarning)
+        # Dropped: the key still counts as updated, and contributes its reduction's identity.
+        return np.where(nans, _rec.FIRST[codes], v), np.where(nans, 0.0, w)
+
+    def forward(self, values: Mapping[str, Number], weight: Number | Mapping[str, Number] = 1) -> None:
+        """Same as :meth:`update` (a logging window is reduced by :meth:`compute`, never per call)."""
+        self.update(values, weight)
+
+    def compute(self) -> dict[str, float]:
+        """Every key updated on some rank since the last ``reset()``, reduced over all ranks (Python floats)."""
+        return dict(self._global if self._global is not None else _rec.local_results(self._acc))
+
+    def reset(self) -> None:
+        """Start a new window (the agreed key layout is kept: known keys' names never travel again)."""
+        super().reset()
+        self._acc = _rec.Accumulator()
+        self._global = None
+
+    def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
+        group = process_group or self.process_group
+        label = f"{type(self).__name__}.compute"
+        what = f"sync of {label}"
+        cap = self.sync_cap if self.sync_cap is not None else _cap.resolve_cap()
+        policy = _policy.policy_for(group, self.device, None)
+        record = _rec.make_record(self._acc, self._layout, self._named, label, cap)
+        state = _transport.group_state(group)
+        before = (state.words, state.longest, state.left)
+        exchanged = _transport.exchange_records(record, group, policy.device, policy.wait, self.sync_timeout, what)
+        table = exchanged.numpy()
+        _rec.check_table(table, what)
+        new_names, new_codes, results, next_words = _rec.reduce_table(table, self._layout, what)
+        self._layout.extend(new_names, new_codes)
+        _rec.settle(group, before, next_words)
+        self._named.update(self._acc.index)
+        self._global = results
+
+    def unsync(self, should_unsync: bool = True) -> None:
+        """Go back to this rank's own accumulators (see :meth:`torchmetrics_varlen.Metric.unsync`)."""
+        super().unsync(should_unsync)
+        if not self._is_synced:
+            self._global = None
+
+    @staticmethod
+    def _finish(value: Any) -> Any:
+        # A fresh dict of Python floats: nothing to clone or squeeze (walking thousands of keys costs milliseconds).
+        return value
+
+    def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
+        wrapped = super()._wrap_compute(compute)
+
+        @functools.wraps(compute)
+        def quiet(*args: Any, **kwargs: Any) -> Any:
+            # A rank without updates is expected here (keys differ by rank): no "compute before update" warning.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method")
+                return wrapped(*args, **kwargs)
+
+        return quiet
+
+
+def sync_scalars(
+    values: Mapping[str, Number],
+    weight: Number | Mapping[str, Number] = 1,
+    reduce: str | Mapping[str, str] = "mean",
+    process_group: Any = None,
+    **kwargs: Any,
+) -> dict[str, float]:
+    """Reduce one set of named scalars over all ranks, exactly: a one-window :class:`ScalarLog` in one line.
+
+    The replacement of ``all_reduce(loss); loss /= world_size`` (a mean of per-rank means, wrong whenever the ranks
+    saw different numbers of samples): pass each rank's own mean and its sample count as ``weight``. One collective
+    (two when the group's records had no room for this many keys yet), no barrier; every rank gets the same dict, a
+    rank with nothing to log passes ``{}``. Names travel at every call: for many keys logged again and again, keep a
+    :class:`ScalarLog`, whose names travel once.
+
+    Args:
+        values: this rank's scalars by name (floats, ints or one-element tensors).
+        weight: one weight, or one per key (``"mean"`` keys only): a batch's sample or token count.
+        reduce: ``"mean"``, ``"sum"``, ``"max"``, ``"min"``, or a mapping from key to one of them (default ``"mean"``).
+        process_group: the group to reduce over (default: the world).
+        kwargs: keyword arguments of :class:`ScalarLog` (``nan_strategy``, ``sync_timeout``).
+
+    Returns:
+        Every key of any rank, reduced over the ranks that had it, as Python floats (float64).
+
+    Example:
+        >>> from torchmetrics_varlen import sync_scalars
+        >>> sync_scalars({"loss": 0.25, "correct": 7}, weight=8, reduce={"correct": "sum"})  # a group of one
+        {'loss': 0.25, 'correct': 7.0}
+    """
+    log = ScalarLog(reduce=reduce, process_group=process_group, **kwargs)
+    log.update(values, weight)
+    return log.compute()
+
+
+def _check_reduce(reduce: Any) -> str | dict[str, str]:
+    names = [reduce] if isinstance(reduce, str) else list(reduce.values()) if isinstance(reduce, Mapping) else None
+    if names is None or any(name not in _rec.REDUCTIONS for name in names):
+        raise ValueError(
+            f"Expected `reduce` to be one of {_rec.REDUCTIONS} or a mapping from key to one of them but got {reduce!r}"
+        )
+    return reduce if isinstance(reduce, str) else dict(reduce)
+
+
+def _host_floats(items: list[Any], keys: list[str]) -> Any:
+    """``items`` (the values of ``keys``, then their weights) as one float64 host array: one copy per device."""
+    out = np.empty(len(items))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, item in enumerate(items):
+        what, key = ("values", keys[i]) if i < len(keys) else ("weight", keys[i - len(keys)])
+        if isinstance(item, Tensor):
+            if item.numel() != 1 or item.is_complex():
+                raise ValueError(
+                    f"Expected `{what}` of key {key!r} to be a real scalar (one element) but got a tensor of shape"
+                    f" {tuple(item.shape)} and dtype {item.dtype}"
+                )
+            by_device.setdefault(item.device, []).append(i)
+        elif isinstance(item, (int, float)) and not isinstance(item, complex):
+            out[i] = float(item)
+        else:
+            raise TypeError(f"Expected `{what}` of key {key!r} to be a float, int or 0-d tensor but got {item!r}")
+    for at in by_device.values():
+        stacked = torch.stack([items[i].detach().reshape(()) for i in at]).to(torch.float64)
+        out[at] = stacked.cpu().numpy()  # one device-to-host copy per device and update
+    return out
