@@ -92,6 +92,7 @@ class _GroupState(_waits.GroupWaits):
     timeouts and the limits derived from them).
     """
 
+    size: int = 0  # the group's world size (it never changes): every exchange sizes its table by it
     words: int = INITIAL_WORDS
     longest: int = 0  # the longest record of the current window
     left: int = RECORD_WINDOW  # syncs left in the window
@@ -125,7 +126,7 @@ def group_state(group: ProcessGroup | None) -> _GroupState:
     with _LOCK:
         state = _GROUPS.get(pg)
         if state is None:  # the group's first sync
-            state = _GROUPS[pg] = _GroupState()
+            state = _GROUPS[pg] = _GroupState(size=dist.get_world_size(group))
         return state
 
 
@@ -146,7 +147,7 @@ def exchange_records(
     _presence.arm_exit_note()
     state = group_state(group)
     words = state.count_sync()
-    table = _exchange_at(record, words, group, device, wait, timeout, what)
+    table = _exchange_at(record, words, state, group, device, wait, timeout, what)
     return exchange_again_if_longer(table, record, state, words, group, device, wait, timeout, what)
 
 
@@ -171,7 +172,7 @@ def exchange_again_if_longer(
     ours = magic.count(_protocol.MAGIC) == len(magic)  # else make_plan raises, naming the ranks
     needed = max(heads[:, _protocol.H_WORDS].tolist()) if ours else words
     if ours and words < needed <= MAX_WORDS:  # decided from the headers: every rank takes this branch together
-        table = _exchange_at(record, needed, group, device, wait, timeout, what)
+        table = _exchange_at(record, needed, state, group, device, wait, timeout, what)
     state.learn_longest(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours: not learnt
     return table  # at the agreed length: the plan reads each record's length from its header
 
@@ -179,6 +180,7 @@ def exchange_again_if_longer(
 def _exchange_at(
     record: Sequence[int],
     words: int,
+    state: _GroupState,
     group: Any,
     device: torch.device,
     wait: str,
@@ -191,10 +193,10 @@ def _exchange_at(
         padded.frombytes(bytes(8 * (words - len(padded))))
         local = torch.frombuffer(padded, dtype=torch.int64)  # no copy
         local = local if device.type == "cpu" else local.to(device)
-    world_size = dist.get_world_size(group)
-    table = torch.empty(world_size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
-    _wait(_start_with_hint(_gather_equal, table, local, group), group, wait, timeout, what, device.type)
-    table = table.view(world_size, words)
+    table = torch.empty(state.size * words, dtype=torch.int64, device=device)  # gloo takes only the flat form
+    work = _start_with_hint(_gather_equal, table, local, group)
+    _waits.wait_work(work, state, group, wait, timeout, what, device.type)
+    table = table.view(state.size, words)
     if isinstance(record, _device_record.DeviceRecord):
         record.received = table  # its results are cut out of the table where it arrived
     return table if device.type == "cpu" else table.cpu()
