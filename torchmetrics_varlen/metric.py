@@ -385,7 +385,7 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
             f"Expected `metric_cls` to be a metric class but got {name}, a task wrapper whose constructor returns an"
             f" instance of another class ({tasks}): rebase that class instead, e.g. `rebase(Binary{name})`."
         )
-    namespace = {
+    namespace: dict[str, Any] = {
         "__module__": __name__,
         "__qualname__": metric_cls.__qualname__,
         "__doc__": metric_cls.__doc__,
