@@ -203,3 +203,23 @@ def test_tensor_only_lists_are_unchanged_by_the_object_path():
     metric = ObjectLog()
     metric.update(torch.arange(3))
     assert torch.equal(dim_zero_cat(metric.joined), torch.arange(3))
+
+
+def body_tensors_on_one_rank_objects_on_another(rank, world_size, dst):
+    per_rank = [[torch.arange(3.0), torch.ones(2, 2)], ["a", {"b": torch.tensor([1, 2])}], []][:world_size]
+    metric = ObjectLog()
+    for item in per_rank[rank]:
+        metric.update(item)
+    got = metric.compute() if dst is None else compute_on_rank(metric, dst)
+    reference = ObjectLog(distributed_available_fn=lambda: False)
+    for item in [item for items in per_rank for item in items]:
+        reference.update(item)
+    return {"got": got, "expected": reference.compute()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("dst", [None, 1])
+def test_tensors_on_one_rank_and_objects_on_another(world_size, dst):
+    # The records show the mix on every rank alike: every rank sends those states again, as objects
+    for result in run_distributed(body_tensors_on_one_rank_objects_on_another, world_size, dst):
+        _same(result["got"], result["expected"])

@@ -130,6 +130,23 @@ def _raise_unpicklable(table: Tensor, rank: int, entry: int, name: str, what: st
     )
 
 
+class ObjectsBesideTensorsError(SyncMismatchError):
+    """Some ranks hold objects in a list state where others hold tensors only: every rank sends it again as objects.
+
+    Raised alike on every rank from the exchanged records, before any data moves; ``_state_sync.run_layout`` catches
+    it and syncs once more with those states encoded as objects on every rank (see ``_objects``). Only a caller that
+    cannot do so sees it, as the mismatch it is.
+    """
+
+    def __init__(self, what: str, positions: list[int], names: Callable[[int], str]) -> None:
+        listing = ", ".join(f"`{names(position)}`" for position in positions)
+        super().__init__(
+            f"{what}: expected list states {listing} to hold tensors on every rank or objects on every rank, but"
+            " some ranks hold Python objects there and others tensors only."
+        )
+        self.positions = positions
+
+
 def refuse_host_grad(what: str, ranks: list[int]) -> None:
     """Raise on every rank: a differentiable sync of CPU tensors in a process that uses CUDA (see ``_policy``)."""
     raise ValueError(

@@ -57,12 +57,12 @@ class _Pickler(pickle.Pickler):
         return ("tensor", len(self.tensors) - 1, _NAMES[obj.dtype], tuple(obj.shape), obj.device.type)
 
 
-def encode(items: list[Any]) -> list[Any] | ObjectList | ObjectFailure:
-    """A list state as it travels: itself when it holds tensors only, else its :class:`ObjectList`.
+def encode(items: list[Any], always: bool = False) -> list[Any] | ObjectList | ObjectFailure:
+    """A list state as it travels: itself when it holds tensors only (unless ``always``), else its :class:`ObjectList`.
 
     An item pickle refuses gives an :class:`ObjectFailure` naming it, which the record reports to every rank.
     """
-    if all(isinstance(item, Tensor) for item in items):
+    if not always and all(isinstance(item, Tensor) for item in items):
         return items
     tensors: list[Tensor] = []
     file = io.BytesIO()

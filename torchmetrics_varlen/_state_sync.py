@@ -25,8 +25,9 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from torchmetrics_varlen import _caches, _engine, _objects, _plan, _policy, _protocol
+from torchmetrics_varlen._mismatch import ObjectsBesideTensorsError
 from torchmetrics_varlen._plan import Plan
-from torchmetrics_varlen._protocol import LocalEntry, Ref
+from torchmetrics_varlen._protocol import LocalEntry, ObjectList, Ref
 from torchmetrics_varlen._reductions import carries_graph, reduce_state
 
 StateDict = dict[str, Any]
@@ -223,7 +224,29 @@ def run_layout(
     results go to: the Join shadow, which must never touch CUDA, passes the CPU. ``cap`` replaces the layout's
     transfer cap (a collection's own ``sync_cap``).
     """
-    request = _engine.Request(
+    try:
+        return _engine.run(_request(layout, group, label, timeout, flags, dst, phase, stop, device, cap))
+    except ObjectsBesideTensorsError as mixed:  # raised alike on every rank, before any data moved: all sync again
+        for position in mixed.positions:
+            entry = layout.entries[position]
+            if isinstance(entry, list) and not isinstance(entry, ObjectList):
+                layout.entries[position] = _objects.encode(entry, always=True)
+        return _engine.run(_request(layout, group, label, timeout, flags, dst, phase, stop, device, cap))
+
+
+def _request(
+    layout: Layout,
+    group: Any,
+    label: str,
+    timeout: float | None,
+    flags: int,
+    dst: int | None,
+    phase: str,
+    stop: Any,
+    device: torch.device | None,
+    cap: int | None,
+) -> "_engine.Request":
+    return _engine.Request(
         layout.entries,
         group,
         layout.context,
@@ -240,7 +263,6 @@ def run_layout(
         device=device or layout.device,
         cap=cap if cap is not None else layout.cap,
     )
-    return _engine.run(request)
 
 
 def _load_objects_on_every_rank(
