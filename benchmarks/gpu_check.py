@@ -42,6 +42,7 @@ import torchmetrics_varlen as tv
 from benchmarks import (
     _gpu_device_scenarios,
     _gpu_join_scenarios,
+    _gpu_object_scenarios,
     _gpu_route_scenarios,
     _gpu_scenarios,
     _gpu_timeout_scenarios,
@@ -58,6 +59,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     *_gpu_device_scenarios.SCENARIOS,  # issue 20, items 2-4: backend, device, autograd thread, stream
     *_gpu_join_scenarios.SCENARIOS,  # issue 20, item 1 and 7: Join with states on the device, the group switch
     *_gpu_route_scenarios.SCENARIOS,  # issue 22: the broadcast route and the memory check
+    *_gpu_object_scenarios.SCENARIOS,  # issue 35: list states of objects holding device tensors
     # issue 20, items 5 and 6: group timeouts, blocking wait, a busy peer (each on a short-timeout group of its own)
     *_gpu_timeout_scenarios.SCENARIOS,
     *(scenario for scenario in _gpu_scenarios.SCENARIOS if scenario.name in _TIMEOUTS),

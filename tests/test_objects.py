@@ -223,3 +223,25 @@ def test_tensors_on_one_rank_and_objects_on_another(world_size, dst):
     # The records show the mix on every rank alike: every rank sends those states again, as objects
     for result in run_distributed(body_tensors_on_one_rank_objects_on_another, world_size, dst):
         _same(result["got"], result["expected"])
+
+
+def test_object_benchmark_smoke():
+    from benchmarks._bench_objects import body_objects
+
+    # skewed on 2 ranks: 80 items on rank 0, none on rank 1; stock's way (MeanAveragePrecision's) drops them all
+    for result in run_distributed(body_objects, 2, "rle", 20, True, 1):
+        assert result["ours"]["items"] == result["all_gather_object"]["items"] == 80
+        assert result["stock"]["items"] == 0
+
+
+def body_gpu_check_scenario(rank, world_size):
+    from benchmarks._gpu_common import Ctx
+    from benchmarks._gpu_object_scenarios import _object_states
+
+    return _object_states(Ctx("cpu", rank, world_size, torch.device("cpu"), None, None))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_gpu_check_object_scenario_on_cpu(world_size):
+    for detail in run_distributed(body_gpu_check_scenario, world_size):
+        assert "object list states" in detail

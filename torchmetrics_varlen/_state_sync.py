@@ -150,15 +150,17 @@ def sync_layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[Sta
     aux = [0] * len(states)
     for position in class_layout.means:
         aux[position] = metrics[class_layout.keys[position][0]]._update_count
+    entries = entries_sharing_objects(states, class_layout.reductions)
     return Layout(
         keys=class_layout.keys,
-        entries=entries_sharing_objects(states, class_layout.reductions),
+        entries=entries,
         context=class_layout.context,
         reductions=class_layout.reductions,
         ops=class_layout.ops,
         cat=class_layout.cat,
         aux=aux,
-        graph=any([carries_graph(value) for value in states]),
+        # From the entries: an object list's tensors travel detached, so it is not scanned item by item
+        graph=any([carries_graph(entry) for entry in entries if not isinstance(entry, ObjectList)]),
         classes=class_layout.classes,
         empty=[
             (metrics[i].dtype, metrics[i].device) if joined else None
