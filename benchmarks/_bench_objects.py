@@ -55,9 +55,10 @@ def _sync_ours(items: list[Any]) -> Any:
 
     metric = _Objects()
     metric.add_state("items", default=[], dist_reduce_fx=None)
-    metric.items.extend(items)
+    state: list[Any] = metric.items  # type: ignore[assignment]
+    state.extend(items)
     metric.sync()
-    return metric.items
+    return vars(metric)["items"]  # the synced list: every rank's items
 
 
 def _sync_all_gather_object(items: list[Any]) -> list[Any]:

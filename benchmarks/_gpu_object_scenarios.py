@@ -25,10 +25,12 @@ class _Detections(tv.Metric):
         self.add_state("images", default=[], dist_reduce_fx=None)
 
     def update(self, image: dict[str, Any]) -> None:
-        self.images.append(image)
+        images: list[Any] = self.images  # type: ignore[assignment]
+        images.append(image)
 
     def compute(self) -> list[Any]:
-        return list(self.images)
+        images: list[Any] = self.images  # type: ignore[assignment]
+        return list(images)
 
 
 def _image(index: int, device: torch.device) -> dict[str, Any]:
