@@ -4,6 +4,9 @@ tests_newest.
 ``tests_newest`` (not a default session; CI runs it last) runs the core of the suite on the newest torch release, a
 multi-GB download from the package registry.
 
+``detection`` (not a default session) runs ``rebase(MeanAveragePrecision)`` with torchvision and pycocotools, on the
+registry's torch build (about 2.5 minutes on 2 cores, the download included, measured).
+
 ``gpu`` (the GPU check) is not a default session: it needs GPUs, which CI does not have.
 """
 
