@@ -43,7 +43,9 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
 
     * Shapes may differ along any dimension between ranks, 0-d and zero-size tensors included.
     * A rank without data (any zero-element tensor, such as the ``torch.tensor([])`` that torchmetrics sends for an
-      empty ``cat`` list) gets an empty tensor with the dtype and trailing shape of the ranks that have data.
+      empty ``cat`` list) gets an empty tensor with the dtype and trailing shape of the ranks that have data. When no
+      rank holds data, every piece takes the dtype of the ranks' own zero-length items (what one process keeps),
+      not that of stock's float placeholder for an empty list.
     * Ranks whose non-empty tensors differ in dtype or number of dimensions raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together, with each rank's shape and dtype in the message.
       A 0-d tensor is accepted beside 1-d ones (a one-element ``cat`` list arrives 0-d).
