@@ -90,6 +90,7 @@ def body_objects(rank: int, world_size: int, kind: str, base: int, skewed: bool,
         sync(items)  # warm-up
         times = []
         for _ in range(repeats):
+            gc.collect()  # each path starts from a collected heap: the previous syncs' objects do not weigh on it
             dist.barrier()
             start = time.perf_counter()
             sync(items)

@@ -14,6 +14,7 @@ known to the rank that loads it only, so a sync that moved objects ends with one
 Unpickling runs code: only peers of the same job are trusted, as with ``torch.distributed``'s object collectives.
 """
 
+import gc
 import io
 import math
 import pickle
@@ -129,10 +130,16 @@ class _Unpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         _LOADING.current = self
+        # Loading makes many containers (a dict per RLE mask): the collector would run its passes over the whole heap
+        # during it, several times per sync and more as the heap grows. It runs afterwards, when due.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             return super().load()
         finally:
             _LOADING.current = None
+            if collecting:
+                gc.enable()
 
     def tensor(self, index: int, dtype_name: str, shape: tuple[int, ...], device_type: str) -> Tensor:
         """The tensor at ``index`` (see ``_Pickler``): a view of its bytes where they are aligned for its dtype."""
