@@ -81,14 +81,12 @@ def detection(session: nox.Session) -> None:
     """``rebase(MeanAveragePrecision)`` (boxes and masks) on uneven and empty ranks, with torchvision and pycocotools.
 
     Not a default session: torchvision's registry wheels need the registry's torch build (pinned in
-    ``.ci/constraints-detection.txt``), a multi-GB download, so ``PIP_CONSTRAINT`` points at an empty file as in
-    ``tests_newest``. The ``tests`` session skips these tests (no torchvision there).
+    ``.ci/constraints-detection.txt``), a multi-GB download. pip runs ``--isolated``: the machines' configuration
+    (their global constraints file, and the wheel folder holding the CPU build of the same version, which pip would
+    prefer) does not apply. The ``tests`` session skips these tests (no torchvision there).
     """
-    empty = Path(session.create_tmp()) / "no-constraints.txt"
-    empty.write_text("")
-    session.env["PIP_CONSTRAINT"] = str(empty)
-    session.install(*DETECTION_CONSTRAINTS, "torch", "torchvision", "pycocotools")
-    session.install(*DETECTION_CONSTRAINTS, "-e", ".[test]")
+    session.install("--isolated", *DETECTION_CONSTRAINTS, "torch", "torchvision", "pycocotools")
+    session.install("--isolated", *DETECTION_CONSTRAINTS, "-e", ".[test]")
     session.run("python", "-m", "pytest", "-q", *(session.posargs or ("tests/test_detection.py",)))
 
 
