@@ -5,7 +5,7 @@ tests_newest.
 multi-GB download from the package registry.
 
 ``detection`` (not a default session) runs ``rebase(MeanAveragePrecision)`` with torchvision and pycocotools, on the
-registry's torch build (about 2.5 minutes on 2 cores, the download included, measured).
+registry's torch build (about 4 minutes on 2 cores, 3 of them the download and install, measured).
 
 ``gpu`` (the GPU check) is not a default session: it needs GPUs, which CI does not have.
 """
