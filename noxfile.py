@@ -4,6 +4,9 @@ tests_newest.
 ``tests_newest`` (not a default session; CI runs it last) runs the core of the suite on the newest torch release, a
 multi-GB download from the package registry.
 
+``detection`` (not a default session) runs ``rebase(MeanAveragePrecision)`` with torchvision and pycocotools, on the
+registry's torch build (about 4 minutes on 2 cores, 3 of them the download and install, measured).
+
 ``gpu`` (the GPU check) is not a default session: it needs GPUs, which CI does not have.
 """
 
@@ -68,6 +71,23 @@ def tests_newest(session: nox.Session) -> None:
     version = "import torch; print('torch', torch.__version__, 'CUDA build' if torch.version.cuda else 'CPU build')"
     session.run("python", "-c", version)
     session.run("python", "-m", "pytest", "-q", *(session.posargs or NEWEST_TESTS))
+
+
+DETECTION_CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints-detection.txt"))
+
+
+@nox.session
+def detection(session: nox.Session) -> None:
+    """``rebase(MeanAveragePrecision)`` (boxes and masks) on uneven and empty ranks, with torchvision and pycocotools.
+
+    Not a default session: torchvision's registry wheels need the registry's torch build (pinned in
+    ``.ci/constraints-detection.txt``), a multi-GB download. pip runs ``--isolated``: the machines' configuration
+    (their global constraints file, and the wheel folder holding the CPU build of the same version, which pip would
+    prefer) does not apply. The ``tests`` session skips these tests (no torchvision there).
+    """
+    session.install("--isolated", *DETECTION_CONSTRAINTS, "torch", "torchvision", "pycocotools")
+    session.install("--isolated", *DETECTION_CONSTRAINTS, "-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", *(session.posargs or ("tests/test_detection.py",)))
 
 
 @nox.session

@@ -330,11 +330,16 @@ def main(
         from benchmarks import skew as large_states
 
         large = large_states.run(quick, table_path=table_path, plot_path=plot_path, **skew)
+    from benchmarks import _bench_objects  # list states of Python objects: ours, all_gather_object, stock
+
+    objects = _bench_objects.run(quick, world_sizes=(2,) if quick else (2, 4))
+    print(_bench_objects.format_table(objects))
     if table_path:
         with open(table_path, "w") as out:  # a literal block, included by docs/benchmarks.rst
             out.write("::\n\n" + "\n".join(f"    {line}".rstrip() for line in table.splitlines()) + "\n")
     result = {"world_size": world_size, "repeats": repeats, "rows": rows, "memory": memory, "large": large}
     result["scalars"] = scalars["rows"]
+    result["objects"] = objects
     print(json.dumps(result, indent=1))
     if json_path:
         with open(json_path, "w") as out:

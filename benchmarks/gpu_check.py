@@ -43,6 +43,7 @@ from benchmarks import (
     _gpu_device_scenarios,
     _gpu_join_scenarios,
     _gpu_nccl_scenarios,
+    _gpu_object_scenarios,
     _gpu_route_scenarios,
     _gpu_scalars_scenarios,
     _gpu_scenarios,
@@ -62,6 +63,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     *_gpu_route_scenarios.SCENARIOS,  # issue 22: the broadcast route and the memory check
     *_gpu_nccl_scenarios.SCENARIOS,  # issue 34: NCCL's broadcast threshold, the gather to one rank, shared GPUs
     *_gpu_scalars_scenarios.SCENARIOS,  # logged scalars: the record exchange on the device
+    *_gpu_object_scenarios.SCENARIOS,  # issue 35: list states of objects holding device tensors
     # issue 20, items 5 and 6: group timeouts, blocking wait, a busy peer (each on a short-timeout group of its own)
     *_gpu_timeout_scenarios.SCENARIOS,
     *(scenario for scenario in _gpu_scenarios.SCENARIOS if scenario.name in _TIMEOUTS),

@@ -245,3 +245,46 @@ def test_rebased_retrieval_map_is_exact_with_an_empty_rank(world_size):
     expected = RetrievalMAP()(*whole)
     for value in run_distributed(body_retrieval_rebased_empty_rank, world_size, empty):
         torch.testing.assert_close(value, expected, rtol=0, atol=0)
+
+
+class _TypedItems(StockMetric):
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("items", default=[], dist_reduce_fx="cat")
+
+    def update(self, x):
+        self.items.append(x)
+
+    def compute(self):
+        return dim_zero_cat(self.items)
+
+
+ZERO_LENGTH_DTYPES = ["bfloat16", "float16", "int8", "uint8", "int32", "int64", "bool"]
+
+
+def body_zero_length_items(rank, world_size):
+    # Rank 0 holds zero-length typed items, the others none (stock sends its float32 placeholder for them).
+    out = {}
+    for name in ZERO_LENGTH_DTYPES:
+        for shape in [(0,), (0, 3)]:
+            items = [torch.zeros(shape, dtype=getattr(torch, name))] * 2
+            metric = _TypedItems(dist_sync_fn=gather_all_tensors)
+            reference = _TypedItems(distributed_available_fn=lambda: False)  # one process holding every item
+            for item in items:
+                reference.update(item)
+                if rank == 0:
+                    metric.update(item)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                got, expected = metric.compute(), reference.compute()
+            out[(name, shape)] = ((got.dtype, got.shape[1:], got.numel()), (expected.dtype, expected.shape[1:], 0))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hook_keeps_the_dtype_of_zero_length_items(world_size):
+    for result in run_distributed(body_zero_length_items, world_size):
+        for case, (got, expected) in result.items():
+            assert got == expected, case

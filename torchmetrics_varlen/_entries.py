@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from torchmetrics_varlen import _caches
-from torchmetrics_varlen._mismatch import raise_uneven
+from torchmetrics_varlen._mismatch import ObjectsBesideTensorsError, raise_uneven
 from torchmetrics_varlen._protocol import (
     ALIGN,
     DTYPES,
@@ -26,6 +26,7 @@ from torchmetrics_varlen._protocol import (
     KIND_REF,
     KIND_TENSOR,
     MAX_NDIM,
+    OBJECT_ITEMS,
     SHAPE_WORDS,
     W_DIMS,
     W_HEAD,
@@ -173,6 +174,11 @@ def _check_uneven(
     names: Callable[[int], str],
 ) -> None:
     """Raise `SyncMismatchError` for the first entry whose ranks cannot be combined (see ``raise_uneven``)."""
+    objects = slots.shapes[:, 0] == OBJECT_ITEMS  # [m, W]: the ranks that sent Python objects (``_objects``)
+    if bool(objects.any()):
+        beside = any_along(objects, dim=1) & any_along(~objects & (slots.items > 0), dim=1)
+        if bool(beside.any()):  # raised alike on every rank: all of them sync those states again, as objects
+            raise ObjectsBesideTensorsError(what, [indices[i] for i in beside.nonzero().flatten().tolist()], names)
     column = torch.arange(len(indices))
     codes, nonempty, lead, has_tensor = slots.codes, slots.nonempty, slots.lead, slots.has_tensor
     # Only ranks with data must agree on the dtype. A 0-d tensor counts as a 1-d tensor of one element: a one-item

@@ -28,6 +28,7 @@ from torchmetrics_varlen._protocol import (
     ERR_NDIM,
     ERR_NONE,
     ERR_NOT_TENSOR,
+    ERR_OBJECT,
     FLAG_DIFF,
     H_CAP,
     H_CONTEXT,
@@ -46,6 +47,7 @@ from torchmetrics_varlen._protocol import (
     MAX_NDIM,
     REDUCE_FLAGS,
     REDUCE_MASK,
+    object_detail,
     record_words,
     unpack_slots,
 )
@@ -109,10 +111,40 @@ def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None =
         rank = failing[0]
         error, entry = int(table[rank, H_ERROR]), int(table[rank, H_ERROR_ENTRY])
         name = f"`{names(entry)}`" if names is not None else f"entry {entry}"
+        if error == ERR_OBJECT:
+            _raise_unpicklable(table, rank, entry, name, what)
         raise SyncMismatchError(
             f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
             " be synced.\n" + rank_lines(table, entry)
         )
+
+
+def _raise_unpicklable(table: Tensor, rank: int, entry: int, name: str, what: str) -> None:
+    """Rank ``rank``'s list state holds an item pickle refused: its index and type ride after its slots."""
+    start = record_words(int(table[rank, H_N]))
+    item, type_name = object_detail(table[rank, start:].tolist())
+    raise SyncMismatchError(
+        f"{what}: expected every item of list state {name} to be a tensor or a picklable object, but item {item} on"
+        f" rank {rank} is a `{type_name}` that pickle refuses; it cannot be synced. Keep tensors, numbers, strings"
+        " or other picklable values in list states (convert the item, or give its class `__reduce__`)."
+    )
+
+
+class ObjectsBesideTensorsError(SyncMismatchError):
+    """Some ranks hold objects in a list state where others hold tensors only: every rank sends it again as objects.
+
+    Raised alike on every rank from the exchanged records, before any data moves; ``_state_sync.run_layout`` catches
+    it and syncs once more with those states encoded as objects on every rank (see ``_objects``). Only a caller that
+    cannot do so sees it, as the mismatch it is.
+    """
+
+    def __init__(self, what: str, positions: list[int], names: Callable[[int], str]) -> None:
+        listing = ", ".join(f"`{names(position)}`" for position in positions)
+        super().__init__(
+            f"{what}: expected list states {listing} to hold tensors on every rank or objects on every rank, but"
+            " some ranks hold Python objects there and others tensors only."
+        )
+        self.positions = positions
 
 
 def refuse_host_grad(what: str, ranks: list[int]) -> None:

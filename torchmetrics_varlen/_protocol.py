@@ -35,6 +35,26 @@ class Ref:
         self.index = index
 
 
+class ObjectList(list[Tensor]):
+    """A list state holding Python objects, as it travels: ``uint8`` items (see :mod:`torchmetrics_varlen._objects`).
+
+    Its slot says so (``OBJECT_ITEMS`` in the ndim word), so every rank, an empty one too, knows from the exchanged
+    records which ranks' pieces to decode.
+    """
+
+
+class ObjectFailure(list[Tensor]):
+    """A list state holding an item that cannot be pickled: reported in the record (``ERR_OBJECT``), never sent.
+
+    An empty list to the engine's types: the record's error stops every rank before any data moves.
+    """
+
+    def __init__(self, item: int, type_name: str) -> None:
+        super().__init__()
+        self.item = item
+        self.type_name = type_name
+
+
 Entry = Tensor | list[Tensor]
 LocalEntry = Tensor | list[Tensor] | Ref
 
@@ -81,7 +101,10 @@ def record_words(entries: int) -> int:
 
 
 # Local problems found by ``describe``; reported through the record so that every rank raises together.
-ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT, ERR_DTYPE, ERR_DIM = 0, 1, 2, 3, 4, 5, 6
+ERR_NONE, ERR_NDIM, ERR_LIST_DTYPE, ERR_NOT_TENSOR, ERR_LAYOUT, ERR_DTYPE, ERR_DIM, ERR_OBJECT = 0, 1, 2, 3, 4, 5, 6, 7
+# After the slots of a record reporting ERR_OBJECT: the item's index and the start of its type's name, so that every
+# rank's message names them.
+OBJECT_DETAIL_WORDS = 6
 
 _DTYPE_NAMES = (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
@@ -99,8 +122,8 @@ def context_hash(text: str) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _encode_label(label: str) -> tuple[int, ...]:
-    raw = label.encode()[: 8 * LABEL_WORDS].ljust(8 * LABEL_WORDS, b"\0")
+def _encode_label(label: str, words: int = LABEL_WORDS) -> tuple[int, ...]:
+    raw = label.encode()[: 8 * words].ljust(8 * words, b"\0")
     return tuple(int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8))
 
 
@@ -140,23 +163,38 @@ def describe(
         elif isinstance(entry, Ref):
             slots += _pack_slot(KIND_REF, 0, 0, entry.index, word, ())
             continue
-        elif isinstance(entry, list):
+        elif isinstance(entry, list) and not isinstance(entry, ObjectFailure):
             problem, dtype, numel = _list_problem(entry)
             if problem == ERR_NONE:
                 dtype_code = _DTYPE_CODE[dtype] if dtype is not None else 0
-                shape_words = _item_shape_slots(entry)
+                shape_words = [OBJECT_ITEMS] if isinstance(entry, ObjectList) else _item_shape_slots(entry)
                 slots += _pack_slot(KIND_LIST, dtype_code, numel, len(entry), word, shape_words[1:], shape_words[0])
                 continue
         else:
-            problem = ERR_NOT_TENSOR
+            problem = ERR_OBJECT if isinstance(entry, ObjectFailure) else ERR_NOT_TENSOR
         if error == ERR_NONE:  # the first problem is the one reported
             error, error_entry = problem, index
         slots += _pack_slot(0, 0, 0, 0, word, ())
     data = _inline_words(entries) if inline and error == ERR_NONE else None
     flags |= FLAG_INLINE if data is not None else 0
+    if error == ERR_OBJECT:  # what every rank's message names rides where inline data would
+        failure = entries[error_entry]
+        assert isinstance(failure, ObjectFailure)
+        data = _object_detail(failure)
     words = record_words(len(entries)) + (len(data) if data is not None else 0)
     header = [MAGIC, context, *_encode_label(label), flags, len(entries), error, error_entry, words, cap]
     return header + slots + (data or [])
+
+
+def _object_detail(failure: ObjectFailure) -> list[int]:
+    """The words after the slots of a record reporting ``ERR_OBJECT``: the item's index and its type's name."""
+    return [failure.item, *_encode_label(failure.type_name, OBJECT_DETAIL_WORDS - 1)]
+
+
+def object_detail(words: Sequence[int]) -> tuple[int, str]:
+    """The item index and type name of :func:`_object_detail`'s words."""
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[1:OBJECT_DETAIL_WORDS])
+    return int(words[0]), raw.rstrip(b"\0").decode(errors="replace")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -240,6 +278,7 @@ NUMPY_DTYPES = {dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in _N
 
 
 MIXED_ITEMS = 15  # the ndim word of a list whose items do not concatenate to one tensor (``_item_shape_slots``)
+OBJECT_ITEMS = 14  # the ndim word of an ``ObjectList``: never joined, its pieces decoded after the sync
 
 
 def _item_shape_slots(items: Sequence[Tensor]) -> list[int]:

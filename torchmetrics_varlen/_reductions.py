@@ -113,6 +113,8 @@ def _pieces_value(
         if not flat:
             return _empty_cat(empty) if reduction is dim_zero_cat else []
         if reduction is dim_zero_cat:
+            if not all(isinstance(item, Tensor) for item in flat):
+                return flat  # Python objects (see _objects): every rank's items, as one list, in rank order
             return _cat_items(flat, per_rank, where(index))
         return reduction(flat) if reduction is not None else flat
     if isinstance(own, Tensor) and (own.requires_grad or own.numel() > 0):

@@ -24,9 +24,10 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen import _caches, _cap, _engine, _plan, _policy, _protocol, _repeat
+from torchmetrics_varlen import _caches, _cap, _engine, _objects, _plan, _policy, _protocol, _repeat
+from torchmetrics_varlen._mismatch import ObjectsBesideTensorsError
 from torchmetrics_varlen._plan import Plan
-from torchmetrics_varlen._protocol import LocalEntry, Ref
+from torchmetrics_varlen._protocol import LocalEntry, ObjectList, Ref
 from torchmetrics_varlen._reductions import carries_graph, reduce_state, stacked_value
 
 StateDict = dict[str, Any]
@@ -159,15 +160,17 @@ def _layout(metrics: Sequence[StockMetric], class_layout: _ClassLayout, states: 
     aux = [0] * len(states)
     for position in class_layout.means:
         aux[position] = metrics[class_layout.keys[position][0]]._update_count
+    entries = entries_sharing_objects(states, class_layout.reductions)
     return Layout(
         keys=class_layout.keys,
-        entries=entries_sharing_objects(states, class_layout.reductions),
+        entries=entries,
         context=class_layout.context,
         reductions=class_layout.reductions,
         ops=class_layout.ops,
         cat=class_layout.cat,
         aux=aux,
-        graph=any([carries_graph(value) for value in states]),
+        # From the entries: an object list's tensors travel detached, so it is not scanned item by item
+        graph=any([carries_graph(entry) for entry in entries if not isinstance(entry, ObjectList)]),
         classes=class_layout.classes,
         empty=[
             (metrics[i].dtype, metrics[i].device) if joined else None
@@ -228,7 +231,8 @@ def sync_states(
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
-    reduced = reduce_results(layout, synced, layout.state_name)
+    loaded = dst is None and _load_objects_on_every_rank(layout, synced, group, label, timeout)
+    reduced = reduce_results(layout, synced, layout.state_name, loaded=loaded)
     out: list[StateDict] = [{} for _ in metrics]
     for (index, name), value in zip(layout.keys, reduced):
         out[index][name] = value
@@ -274,7 +278,30 @@ def run_layout(
     transfer cap (a collection's own ``sync_cap``). ``exchanged``: the records were exchanged already (see
     :class:`torchmetrics_varlen._engine.Request`).
     """
-    request = _engine.Request(
+    try:
+        return _engine.run(_request(layout, group, label, timeout, flags, dst, phase, stop, device, cap, exchanged))
+    except ObjectsBesideTensorsError as mixed:  # raised alike on every rank, before any data moved: all sync again
+        for position in mixed.positions:
+            entry = layout.entries[position]
+            if isinstance(entry, list) and not isinstance(entry, ObjectList):
+                layout.entries[position] = _objects.encode(entry, always=True)
+        return _engine.run(_request(layout, group, label, timeout, flags, dst, phase, stop, device, cap))
+
+
+def _request(
+    layout: Layout,
+    group: Any,
+    label: str,
+    timeout: float | None,
+    flags: int,
+    dst: int | None,
+    phase: str,
+    stop: Any,
+    device: torch.device | None,
+    cap: int | None,
+    exchanged: "_engine.Exchanged | None" = None,
+) -> "_engine.Request":
+    return _engine.Request(
         layout.entries,
         group,
         layout.context,
@@ -292,17 +319,42 @@ def run_layout(
         cap=cap if cap is not None else layout.cap,
         exchanged=exchanged,
     )
-    return _engine.run(request)
 
 
-def reduce_results(layout: Layout, synced: "_engine.Synced", where: Callable[[int], str]) -> list[Any]:
+def _load_objects_on_every_rank(
+    layout: Layout, synced: "_engine.Synced", group: Any, label: str, timeout: float | None
+) -> bool:
+    """Load the objects of list states that hold some, then agree that every rank could (one tiny all-gather).
+
+    Whether a sync moved objects is in the exchanged records, so every rank takes the same branch. Returns whether
+    there were any (then loaded in ``synced.results``).
+    """
+    positions = _objects.object_positions(synced.plan.entries)
+    if not positions:
+        return False
+    failure = _objects.decode_results(synced.results, synced.plan.entries, positions, layout.device)
+    policy = _policy.policy_for(group, layout.device, _engine.first_device(layout.entries))
+    _objects.agree(failure, layout.state_name, group, policy.device, policy.wait, timeout, f"sync of {label}")
+    return True
+
+
+def reduce_results(
+    layout: Layout, synced: "_engine.Synced", where: Callable[[int], str], loaded: bool = False
+) -> list[Any]:
     """Reduce every entry's result with its reduction, as stock does with the gathered states.
 
-    ``where`` names the state at a position, for error messages.
+    ``where`` names the state at a position, for error messages. List states' objects are loaded first, unless
+    ``loaded`` says they are (with an agreement of every rank: ``_load_objects_on_every_rank``); here a failure
+    raises on this rank (one-rank compute sends it to every rank).
     ``synced.results`` is emptied as it goes (memory). Outside a differentiable sync, the local slot gets this rank's
     own objects back where they carry an autograd graph, as stock does.
     """
     plan, rank, results = synced.plan, synced.rank, synced.results
+    positions = [] if loaded else _objects.object_positions(plan.entries)
+    failure = _objects.decode_results(results, plan.entries, positions, layout.device) if positions else None
+    if failure is not None:
+        what = "sync of " + ", ".join(layout.classes)
+        raise _objects.load_error(rank, failure.position, failure.source, failure.type_name, where, what, failure)
     keep_graph = not plan.differentiable
     reduced: list[Any] = []
     for position, (reduction, op, local) in enumerate(zip(layout.reductions, layout.ops, layout.entries)):
@@ -325,13 +377,14 @@ def entries_sharing_objects(values: list[Any], reductions: list[Any] | None = No
     and stock reduces every state with its own reduction, also two states holding one tensor.
     """
     if len({id(value) for value in values}) == len(values):  # the usual case: no state is another's object
-        return [value if isinstance(value, Tensor) else list(value) for value in values]
+        return [value if isinstance(value, Tensor) else _objects.encode(list(value)) for value in values]
     seen: dict[tuple[int, int], int] = {}
     entries: list[LocalEntry] = []
     for position, value in enumerate(values):
         reduction = reductions[position] if reductions is not None else None
         first = seen.setdefault((id(value), id(reduction)), position)
-        entries.append(Ref(first) if first != position else (value if isinstance(value, Tensor) else list(value)))
+        local = value if isinstance(value, Tensor) else _objects.encode(list(value))
+        entries.append(Ref(first) if first != position else local)
     return entries
 
 

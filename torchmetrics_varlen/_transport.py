@@ -333,6 +333,17 @@ def agree_allocation(
         raise SyncMemoryError(_memory_message(what, failing, nbytes, failure, group)) from failure
 
 
+def gather_words(
+    words: Sequence[int], group: ProcessGroup | None, device: torch.device, wait: str, timeout: float | None, what: str
+) -> Tensor:
+    """One tiny all-gather of ``words`` (as many on every rank): the ``[world_size, len(words)]`` table, on the CPU."""
+    world_size = dist.get_world_size(group)
+    local = torch.tensor(list(words), dtype=torch.int64, device=device)
+    table = torch.empty(world_size * len(words), dtype=torch.int64, device=device)
+    _wait(_gather_equal(table, local, group), group, wait, timeout, what, device.type)
+    return table.view(world_size, len(words)).cpu()
+
+
 _OPS = {_plan.OP_SUM: "SUM", _plan.OP_MAX: "MAX", _plan.OP_MIN: "MIN"}
 
 

@@ -43,7 +43,9 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
 
     * Shapes may differ along any dimension between ranks, 0-d and zero-size tensors included.
     * A rank without data (any zero-element tensor, such as the ``torch.tensor([])`` that torchmetrics sends for an
-      empty ``cat`` list) gets an empty tensor with the dtype and trailing shape of the ranks that have data.
+      empty ``cat`` list) gets an empty tensor with the dtype and trailing shape of the ranks that have data. When no
+      rank holds data, every piece takes the dtype of the ranks' own zero-length items (what one process keeps),
+      not that of stock's float placeholder for an empty list.
     * Ranks whose non-empty tensors differ in dtype or number of dimensions raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together, with each rank's shape and dtype in the message.
       A 0-d tensor is accepted beside 1-d ones (a one-element ``cat`` list arrives 0-d).
@@ -123,6 +125,9 @@ def _per_rank(synced: "_engine.Synced", result: Tensor, rank: int) -> list[Tenso
     gathered = synced.results[0]
     per_rank: list[Tensor] = list(gathered.tensor.unbind(0)) if isinstance(gathered, Stacked) else list(gathered)  # type: ignore[union-attr, arg-type]
     dtype = synced.plan.entries[0].dtype
+    if dtype is None and len({piece.dtype for piece in per_rank}) > 1:  # no rank holds data, the dtypes differ
+        common = _items_dtype(per_rank)
+        per_rank = [piece.to(common) for piece in per_rank]
     if synced.plan.differentiable and _engine.differentiable_dtype(dtype):
         return per_rank  # every piece is an output of the differentiable step
     if result.numel() > 0:
@@ -132,3 +137,17 @@ def _per_rank(synced: "_engine.Synced", result: Tensor, rank: int) -> list[Tenso
         # loss built from it still reaches this rank's parameters (DDP needs every rank's backward).
         per_rank[rank] = result.reshape(per_rank[rank].shape).to(per_rank[rank].dtype)
     return per_rank
+
+
+def _items_dtype(pieces: list[Tensor]) -> torch.dtype:
+    """The dtype one process keeps for zero-length pieces of several dtypes: that of the ranks' own items.
+
+    Stock sends ``torch.tensor([])`` of the metric's dtype (1-D, floating) for an empty list state, so a rank with
+    zero-length items of its own (another dtype or trailing dims) says what they are; among 1-D floating pieces, one
+    of a dtype other than the default; else the first rank's. Every rank sees the same pieces, so all pick alike.
+    """
+    for piece in pieces:
+        if piece.ndim != 1 or not piece.is_floating_point():  # not stock's placeholder for an empty list
+            return piece.dtype
+    default = torch.get_default_dtype()
+    return next((piece.dtype for piece in pieces if piece.dtype != default), pieces[0].dtype)

@@ -329,6 +329,15 @@ def _rebased_meta(meta: type) -> type:
     return rebased_meta
 
 
+# Stock `_sync_dist` overrides that only gather object list states with `all_gather_object` after the usual sync.
+_OBJECT_GATHERING_SYNCS = {("torchmetrics.detection.mean_ap", "MeanAveragePrecision._sync_dist")}
+
+
+def _gathers_objects_itself(metric_cls: type) -> bool:
+    sync = getattr(metric_cls, "_sync_dist", None)
+    return (getattr(sync, "__module__", None), getattr(sync, "__qualname__", None)) in _OBJECT_GATHERING_SYNCS
+
+
 @functools.cache
 def rebase(metric_cls: type[_M]) -> type[_M]:
     """Return a subclass of a stock torchmetrics metric class that syncs through :class:`Metric`.
@@ -376,12 +385,16 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
             f"Expected `metric_cls` to be a metric class but got {name}, a task wrapper whose constructor returns an"
             f" instance of another class ({tasks}): rebase that class instead, e.g. `rebase(Binary{name})`."
         )
-    namespace = {
+    namespace: dict[str, Any] = {
         "__module__": __name__,
         "__qualname__": metric_cls.__qualname__,
         "__doc__": metric_cls.__doc__,
         "_rebased_from": metric_cls,
     }
+    if _gathers_objects_itself(metric_cls):
+        # Its `_sync_dist` only adds per-state object gathers that the one sync now does itself (see `_objects`);
+        # kept, they would gather the synced lists a second time (and index every rank's by rank 0's length).
+        namespace["_sync_dist"] = Metric._sync_dist
     base_meta: type = type(metric_cls)
     meta: Any = _rebased_meta(base_meta)
     rebased: type[_M] = meta(metric_cls.__name__, (metric_cls, Metric), namespace)
