@@ -18,7 +18,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_varlen as tv
 
-__all__ = ["Ctx", "NoteError", "Scenario", "SkipError"]
+__all__ = ["Ctx", "NoteError", "Scenario", "SkipError", "counted"]
 
 
 class SkipError(Exception):
@@ -169,3 +169,13 @@ class Scenario:
     name: str
     summary: str
     run: Callable[[Ctx], str]
+
+
+def counted(calls: list[str], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, appending ``name`` to ``calls`` at each call: which collectives a scenario issued."""
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return counting

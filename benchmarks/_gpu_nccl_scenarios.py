@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torchmetrics.aggregation import CatMetric
 
 import torchmetrics_varlen as tv
-from benchmarks._gpu_common import Ctx, NoteError, Scenario, SkipError, _close
+from benchmarks._gpu_common import Ctx, NoteError, Scenario, SkipError, _close, counted
 from torchmetrics_varlen import _policy, _transport
 
 __all__ = ["SCENARIOS"]
@@ -97,7 +97,7 @@ def _counting(calls: list[str]) -> dict[str, Any]:
     for name in ("gather", "all_to_all_single", "all_gather", "all_gather_into_tensor", "broadcast"):
         if hasattr(dist, name):
             originals[name] = fn = getattr(dist, name)
-            setattr(dist, name, lambda *a, _n=name, _f=fn, **k: (calls.append(_n), _f(*a, **k))[1])
+            setattr(dist, name, counted(calls, name, fn))
     return originals
 
 

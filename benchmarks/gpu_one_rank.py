@@ -36,7 +36,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_varlen as tv
 from benchmarks import _gpu_one_rank_nccl
-from benchmarks._gpu_common import SkipError
+from benchmarks._gpu_common import NoteError, SkipError
 from torchmetrics_varlen import _repeat
 
 __all__ = ["force_sync_in_a_group_of_one", "main"]
@@ -153,7 +153,7 @@ def _small_sync(device: torch.device) -> str:
         fast.append(isinstance(out, list))
         return out
 
-    _repeat.sync = repeated
+    _repeat.sync = repeated  # type: ignore[assignment]
     try:
         got = metric.compute()
         first_calls = list(calls)
@@ -290,6 +290,8 @@ def _run(name: str, scenario: Callable[[torch.device], str], device: torch.devic
         status, detail = "PASS", scenario(device)
     except _SkipError as skip:
         status, detail = "SKIP", str(skip)
+    except NoteError as note:  # a finding about the machine, not a failure of the package
+        status, detail = "NOTE", str(note)
     except Exception as err:  # a failed check or an error of the package: reported, the others still run
         traceback.print_exc()
         status, detail = "FAIL", f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"

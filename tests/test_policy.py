@@ -328,4 +328,5 @@ def test_a_timeout_on_nccl_says_the_watchdog_ends_the_process(monkeypatch):
     for backend, said in (("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False)):
         monkeypatch.setattr(_waits._policy, "backend_of", lambda group, b=backend: b)
         message = _waits._timeout_message("sync of X", 590.0, "`sync_timeout`", limits, None)
-        assert ("the watchdog ends this process when the group's timeout (600 s) expires" in message) is said, message
+        named = "the watchdog may end this process when the group's timeout (600 s) expires" in message
+        assert named is said, message

@@ -403,8 +403,8 @@ def _timeout_message(
     ) + " Raise the process group's timeout (`init_process_group(timeout=...)`) where a rank legitimately needs longer."
     if "nccl" in _policy.backend_of(group):
         raise_it += (
-            f" On NCCL, with its default asynchronous error handling, the watchdog ends this process when the group's"
-            f" timeout ({limits.group_s:g} s) expires, a few seconds after this error: log it and end the job."
+            f" On NCCL, with its default asynchronous error handling, the watchdog may end this process when the"
+            f" group's timeout ({limits.group_s:g} s) expires, a few seconds after this error: log it and end the job."
         )
     return (
         f"{what}: rank {rank} waited {waited:.3g} s ({source}) for the other ranks to arrive at this sync; at least"
