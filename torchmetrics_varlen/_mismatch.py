@@ -231,3 +231,22 @@ def dtype_name(code: int) -> str:
 def _decode_label(words: Sequence[int]) -> str:
     raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
     return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def memory_message(what: str, failing: list[int], nbytes: int, failure: BaseException | None, rank: int) -> str:
+    """The text of the ``SyncMemoryError`` every rank raises when ranks ``failing`` could not allocate ``nbytes``."""
+    here = f" This rank ({rank}) got: {str(failure).strip().splitlines()[0]}." if failure else ""
+    return (
+        f"{what}: ranks {failing} could not allocate the {_readable(nbytes)} per rank that this sync receives into;"
+        f" no data has moved, and every rank raises this error.{here} Free memory on those ranks, or use"
+        " `torchmetrics_varlen.compute_on_rank(metric, dst=0)` so that only one rank receives the data. The transfer"
+        " cap (`sync_cap=`, `TORCHMETRICS_VARLEN_SYNC_CAP`) bounds what a sync allocates beyond its result, not the"
+        " result itself. The process group is unharmed."
+    )
+
+
+def _readable(nbytes: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes} bytes"

@@ -20,7 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen import _caches, _device_record, _plan, _policy, _presence, _protocol, _to_rank, _waits
+from torchmetrics_varlen import (
+    _caches,
+    _device_record,
+    _mismatch,
+    _plan,
+    _policy,
+    _presence,
+    _protocol,
+    _to_rank,
+    _waits,
+)
 from torchmetrics_varlen.errors import SyncMemoryError
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
@@ -330,7 +340,9 @@ def agree_allocation(
     _wait(_gather_equal(table, local, group), group, wait, timeout, f"{what} (memory check)", device.type)
     failing = table.cpu().nonzero().flatten().tolist()
     if failing:
-        raise SyncMemoryError(_memory_message(what, failing, nbytes, failure, group)) from failure
+        raise SyncMemoryError(
+            _mismatch.memory_message(what, failing, nbytes, failure, dist.get_rank(group))
+        ) from failure
 
 
 def gather_words(
@@ -430,24 +442,3 @@ def run_collective(
 ) -> None:
     """Start a collective (``start`` returns its work) and wait for it the ``wait`` way, like every other."""
     _wait(start(), group, wait, timeout, what, device_type)
-
-
-# ------------------------------------------------------------------------------------------------------ messages
-def _memory_message(
-    what: str, failing: list[int], nbytes: int, failure: BaseException | None, group: ProcessGroup | None
-) -> str:
-    here = f" This rank ({dist.get_rank(group)}) got: {str(failure).strip().splitlines()[0]}." if failure else ""
-    return (
-        f"{what}: ranks {failing} could not allocate the {_readable(nbytes)} per rank that this sync receives into;"
-        f" no data has moved, and every rank raises this error.{here} Free memory on those ranks, or use"
-        " `torchmetrics_varlen.compute_on_rank(metric, dst=0)` so that only one rank receives the data. The transfer"
-        " cap (`sync_cap=`, `TORCHMETRICS_VARLEN_SYNC_CAP`) bounds what a sync allocates beyond its result, not the"
-        " result itself. The process group is unharmed."
-    )
-
-
-def _readable(nbytes: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= size:
-            return f"{nbytes / size:.3g} {unit}"
-    return f"{nbytes} bytes"
