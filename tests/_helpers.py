@@ -86,6 +86,26 @@ def sync_labels():
             setattr(_transport, name, fn)
 
 
+@contextlib.contextmanager
+def fast_path_taken():
+    """Yields a list that gets, per sync that reached the fast path's exchange, whether it took the learnt plan."""
+    from torchmetrics_varlen import _repeat
+
+    taken = []
+    original = _repeat.sync
+
+    def counted(*args):
+        out = original(*args)
+        taken.append(isinstance(out, list))
+        return out
+
+    _repeat.sync = counted
+    try:
+        yield taken
+    finally:
+        _repeat.sync = original
+
+
 def split(sizes, rank):
     """This rank's slice of data laid out rank after rank."""
     start = sum(sizes[:rank])

@@ -7,6 +7,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import fast_path_taken
 from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy
 from torchmetrics.utilities.data import dim_zero_cat
@@ -39,19 +40,8 @@ def _same_bytes_body(rank, world_size, device_record):
     try:
         metric = rebase(BinaryAccuracy)()
         metric.update(torch.rand(7 + rank), torch.randint(0, 2, (7 + rank,)))
-        taken = []
-        original = _repeat.sync
-
-        def counted(*args):
-            out = original(*args)
-            taken.append(isinstance(out, list))
-            return out
-
-        _repeat.sync = counted
-        try:
+        with fast_path_taken() as taken:
             fast = _sent_records(metric, 3, fast=True)
-        finally:
-            _repeat.sync = original
         long_way = _sent_records(metric, 3, fast=False)
     finally:
         _device_record.ON_THE_CPU_TOO = False
