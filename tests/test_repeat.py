@@ -94,9 +94,9 @@ _CLASSES = object()
 def test_the_guard_takes_the_template_only_for_the_learnt_facts():
     group = _Group()
     states = [torch.zeros(3), torch.zeros((), dtype=torch.int64)]
-    settings = ("policy", 1 << 20, 0)  # compared for equality only
+    settings = ("policy", 1 << 20)  # compared for equality only
     template = _template(group, states, settings)
-    assert _repeat.lookup(_CLASSES, "label", group, settings, states) is template
+    assert _repeat.lookup(_CLASSES, "label", group, lambda: settings, states) is template
     changed = [
         [torch.zeros(3, dtype=torch.float64), states[1]],  # a dtype
         [torch.zeros(4), states[1]],  # a shape
@@ -106,31 +106,31 @@ def test_the_guard_takes_the_template_only_for_the_learnt_facts():
         [[1.0, 2.0], states[1]],  # not a tensor
     ]
     for other in changed:
-        assert _repeat.lookup(_CLASSES, "label", group, settings, other) is None, other
-    assert _repeat.lookup(_CLASSES, "other label", group, settings, states) is None
-    assert _repeat.lookup(_CLASSES, "label", _Group(), settings, states) is None
-    assert _repeat.lookup(_CLASSES, "label", group, (settings[0], 1 << 21, 0), states) is None  # another cap
-    assert _repeat.lookup(object(), "label", group, settings, states) is None
+        assert _repeat.lookup(_CLASSES, "label", group, lambda: settings, other) is None, other
+    assert _repeat.lookup(_CLASSES, "other label", group, lambda: settings, states) is None
+    assert _repeat.lookup(_CLASSES, "label", _Group(), lambda: settings, states) is None
+    assert _repeat.lookup(_CLASSES, "label", group, lambda: (settings[0], 1 << 21), states) is None  # another cap
+    assert _repeat.lookup(object(), "label", group, lambda: settings, states) is None
 
 
 def test_a_destroyed_groups_template_is_never_taken():
     group = _Group()
     states = [torch.zeros(2)]
-    settings = ("policy", 1, 0)
+    settings = ("policy", 1)
     template = _template(group, states, settings)
     del group
     gc.collect()
     assert template.group() is None  # a group made later, even at the same address, is not the learnt one
-    assert all(_repeat.lookup(_CLASSES, "label", _Group(), settings, states) is None for _ in range(50))
+    assert all(_repeat.lookup(_CLASSES, "label", _Group(), lambda: settings, states) is None for _ in range(50))
 
 
 def test_the_fast_path_switched_off_takes_nothing():
     group = _Group()
     states = [torch.zeros(2)]
-    _template(group, states, ("policy", 1, 0))
+    _template(group, states, ("policy", 1))
     enabled, _repeat.ENABLED = _repeat.ENABLED, False
     try:
-        assert _repeat.lookup(_CLASSES, "label", group, ("policy", 1, 0), states) is None
+        assert _repeat.lookup(_CLASSES, "label", group, lambda: ("policy", 1), states) is None
     finally:
         _repeat.ENABLED = enabled
 

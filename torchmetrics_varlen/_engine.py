@@ -63,6 +63,7 @@ class Synced:
     results: list[Result | None]
     rank: int
     exchanged: "Exchanged | None" = None  # a sync whose data rode in the records: what the fast path learns from
+    policy: _policy.TransportPolicy | None = None  # the policy it ran under (with ``exchanged``)
 
 
 def first_device(entries: Sequence[LocalEntry]) -> torch.device | None:
@@ -185,7 +186,7 @@ def run(request: Request) -> Synced | None:
     )
     if plan.inline:  # the data came with the records: cut it out of the table
         results = inline_results(record, table, described, plan, policy.device)
-        return Synced(plan, results, rank, Exchanged(record, table))
+        return Synced(plan, results, rank, Exchanged(record, table), policy)
     return Synced(plan, _data_step(request, plan, rank, policy, local, what), rank)
 
 

@@ -26,7 +26,7 @@ step), one state object held twice.
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from torchmetrics_varlen._engine import Exchanged
 from torchmetrics_varlen._plan import Plan
 
 TEMPLATES_KEPT = 64  # a job syncs a handful of small metrics per step; more than this is no repeated sync
-Settings = tuple[_policy.TransportPolicy, int, int]  # the policy, the transfer cap and the header flags
+Settings = tuple[_policy.TransportPolicy, int]  # the policy and the transfer cap (the header's flags follow from both)
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,19 @@ def _group_object(group: Any) -> Any:
     return group if group is not None else torch.distributed.group.WORLD
 
 
-def lookup(classes: object, label: str, group: Any, settings: Settings, states: Sequence[Any]) -> Template | None:
-    """The template of a sync of ``states`` with these facts, if one was learnt and the states pass the guard."""
+def lookup(
+    classes: object, label: str, group: Any, settings: Callable[[], Settings], states: Sequence[Any]
+) -> Template | None:
+    """The template of a sync of ``states`` with these facts, if one was learnt and the states pass the guard.
+
+    ``settings`` gives this sync's policy and cap: asked only where a template was learnt (the long way asks the
+    policy itself).
+    """
     if not ENABLED:
         return None
     pg = _group_object(group)
     template = _TEMPLATES.get((id(classes), label, id(pg)))
-    if template is None or template.group() is not pg or template.settings != settings:
+    if template is None or template.group() is not pg or template.settings != settings():
         return None
     device = template.device
     for state, (dtype, shape) in zip(states, template.states):

@@ -211,9 +211,10 @@ def sync_states(
     """
     class_layout = _class_layout_of(metrics, phase)
     states = _states_of(metrics, class_layout, values)
-    settings = _repeat_settings(metrics, group, states, cap) if not differentiable and dst is None else None
+    repeatable = not differentiable and dst is None and not class_layout.means
     exchanged = None
-    if settings is not None and not class_layout.means:
+    if repeatable:
+        settings = functools.partial(_repeat_settings, metrics, group, states, cap)
         template = _repeat.lookup(class_layout, label, group, settings, states)
         if template is not None:
             repeated = _repeat.sync(template, states, group, timeout, f"sync of {label}")
@@ -226,8 +227,9 @@ def sync_states(
         layout, group, label=label, timeout=timeout, flags=flags, dst=dst, phase=phase, cap=cap, exchanged=exchanged
     )
     assert synced is not None  # no `stop` given
-    if settings is not None and synced.exchanged is not None and not class_layout.means:
-        _repeat.learn(class_layout, label, group, settings, states, synced.exchanged, synced.plan)
+    if repeatable and synced.exchanged is not None and synced.policy is not None:
+        learnt = (synced.policy, _sent_cap(metrics, cap))  # the policy the engine ran under: not asked again
+        _repeat.learn(class_layout, label, group, learnt, states, synced.exchanged, synced.plan)
     _warn_mean_of_means(metrics, layout, synced.plan)
     if dst is not None and synced.rank != dst:
         return []
@@ -241,12 +243,19 @@ def sync_states(
 
 def _repeat_settings(
     metrics: Sequence[StockMetric], group: Any, states: list[Any], cap: int | None
-) -> _repeat.Settings | None:
-    """The policy, transfer cap and header flags the engine would take for this sync: part of the fast path's guard."""
+) -> _repeat.Settings:
+    """The policy and transfer cap the engine would take for this sync: part of the fast path's guard."""
     local = states[0].device if states and isinstance(states[0], Tensor) else None
-    policy = _policy.policy_for(group, metrics_device(metrics), local)
+    return _policy.policy_for(group, metrics_device(metrics), local), _sent_cap(metrics, cap)
+
+
+def _sent_cap(metrics: Sequence[StockMetric], cap: int | None) -> int:
+    """The transfer cap this rank's record carries, resolved as the engine resolves it.
+
+    A collection's, else the smallest of the metrics', else the environment's or the default.
+    """
     sent = cap if cap is not None else _metrics_cap(metrics)
-    return policy, sent if sent is not None else _cap.resolve_cap(), _protocol.REDUCE_FLAGS[policy.reduce]
+    return sent if sent is not None else _cap.resolve_cap()
 
 
 def _repeated_states(count: int, class_layout: _ClassLayout, plan: Plan, results: list[Any]) -> list[StateDict]:
