@@ -140,6 +140,11 @@ def body_unpicklable(rank, world_size):
     metric.update("fine")
     if rank == world_size - 1:
         metric.update(Unpicklable())
+    return _mismatch_message(metric)
+
+
+def _mismatch_message(metric):
+    """The SyncMismatchError that ``metric.compute()`` raised on this rank, else "no error"."""
     try:
         metric.compute()
     except SyncMismatchError as err:
@@ -173,11 +178,7 @@ def body_load_failure(rank, world_size):
     metric = ObjectLog()
     if rank == 0:
         metric.update(LoadsOnRankZeroOnly(3))
-    try:
-        metric.compute()
-    except SyncMismatchError as err:
-        return str(err)
-    return "no error"
+    return _mismatch_message(metric)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
