@@ -171,7 +171,8 @@ def body_latency(rank: int, world_size: int, repeats: int) -> dict[str, float]:
     """Median ms of one small metric's compute() and sync, stock vs ours, and the floor: interleaved.
 
     The floor is one raw ``all_gather_into_tensor`` of the bytes of the metric's states (32 for ``BinaryAccuracy``),
-    preallocated: the least any sync of them costs.
+    preallocated: the least any sync of them costs. "bare" is the least a sync of them does through public calls
+    (:func:`_bare_sync`).
     """
     from torchmetrics.classification import BinaryAccuracy
 
@@ -194,11 +195,44 @@ def body_latency(rank: int, world_size: int, repeats: int) -> dict[str, float]:
         metric.sync()
         metric.unsync()
 
-    fns: dict[str, Callable[[], Any]] = {"floor": floor}
+    fns: dict[str, Callable[[], Any]] = {"floor": floor, "bare": _bare_sync(metrics["stock"], gather, world_size)}
     for side, metric in metrics.items():
         fns[f"{side} compute"] = functools.partial(fresh_compute, metric)
         fns[f"{side} sync"] = functools.partial(sync_once, metric)
     return interleaved_medians(fns, repeats)
+
+
+def _bare_sync(metric: Any, gather: Callable[..., Any], world_size: int) -> Callable[[], None]:
+    """The least a sync of this metric's scalar integer states does through public calls: a bound, not a way to sync.
+
+    It sends a header of the length ours sends (zeros) and the states' values in one int64 row, with one
+    asynchronous gather and a timed wait (as the engine waits), compares every rank's header with the expected bytes,
+    sums the data words and sets one fresh tensor per state, then restores the local states as ``unsync`` does. No
+    guard, no policy or cap, no agreed record length, no timeout bookkeeping: what the engine adds to this is what
+    a sync costs above it.
+    """
+    import datetime
+
+    from torchmetrics_varlen import _protocol
+
+    names = list(metric._defaults)
+    header = [0] * _protocol.record_words(len(names))
+    expected = bytes(8 * len(header) * world_size)
+    timeout = datetime.timedelta(seconds=60)
+    attrs = vars(metric)
+
+    def bare() -> None:
+        local_states = [attrs[name] for name in names]
+        local = torch.tensor(header + [int(state) for state in local_states], dtype=torch.int64)
+        table = torch.empty(world_size * local.numel(), dtype=torch.int64)
+        gather(table, local, async_op=True).wait(timeout)
+        rows = table.view(world_size, -1)
+        if rows[:, : len(header)].numpy().tobytes() != expected:
+            raise RuntimeError("the bare sync's headers differ: the ranks are not running the same benchmark")
+        attrs.update(zip(names, rows[:, len(header) :].sum(0).unbind()))
+        attrs.update(zip(names, local_states))
+
+    return bare
 
 
 def measure_processes(world_sizes: Sequence[int], quick: bool, repeats: int) -> tuple[list[Row], list[Row]]:

@@ -2,7 +2,9 @@
 
 import contextlib
 import math
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -454,6 +456,18 @@ def test_records_are_sized_to_the_sync_and_shrink_after_a_window(world_size):
         assert log[2 * result["window"] - 1] == log[2]  # ... through the window after the one that needed it ...
         assert log[-2] == ("BinaryAccuracy", 1, world_size * least)  # ... then shrinks to what the window needed
         assert log[-1] == ("ManySums", 2, world_size * (least + wide_bytes))
+
+
+def test_docs_state_the_record_lengths_that_travel():
+    # The pages that size records in bytes must give the lengths that the test above measures on the wire.
+    first, least = f"{_transport.INITIAL_WORDS * 8:,}", f"{_transport.MIN_WORDS * 8:,}"
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for page in ("scale.rst", "how_the_sync_works.rst"):
+        text = " ".join((docs / page).read_text().split())
+        assert re.findall(r"room for 30 \w+ at first \(([\d,]+) bytes\)", text) == [first], page
+        assert re.findall(r"not below ([\d,]+) bytes \(room for 8 \w+\)", text) == [least], page
+    text = " ".join((docs / "logged_scalars.rst").read_text().split())
+    assert re.findall(r"\(([\d,]+) bytes at first\)", text) == [first, first]
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,9 @@ def test_scale_quick_report(tmp_path):
     assert all(check["matches"] for check in result["model_checks"]), result["model_checks"]
     assert [row["world_size"] for row in result["planner"]] == [8, 64]
     assert all(row["plan_unpack_ms"] > 0 for row in result["planner"])
-    assert {"stock compute", "varlen compute", "floor", "sync_speedup"} <= set(result["latency"][0])
+    assert {"stock compute", "varlen compute", "floor", "bare", "sync_speedup"} <= set(result["latency"][0])
+    assert all(row["bare"] > 0 and row["bare_to_floor"] == row["bare"] / row["floor"] for row in result["latency"])
+    assert "bare/1 gather" in table_path.read_text()
     assert table_path.read_text().startswith("::\n") and "Bytes per rank" in out
     assert plot_path.read_bytes()[:4] == b"\x89PNG"
 

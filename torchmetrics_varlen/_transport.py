@@ -80,12 +80,12 @@ def _gather_equal(output: Tensor, local: Tensor, group: ProcessGroup | None) -> 
 # So each group has an agreed record length, equal on all its ranks because each rank derives it from the tables
 # that all ranks saw (every rank of a group runs the same syncs in the same order):
 #
-# * records are sent at that length, at first room for 30 entries (1,520 bytes: one exchange for most collections);
+# * records are sent at that length, at first room for 30 entries (1,528 bytes: one exchange for most collections);
 # * when a header (always within it) says that some rank needs more, every rank exchanges again at the longest
 #   length, and the group keeps it;
 # * every RECORD_WINDOW syncs the length shrinks to the longest record of that window, but not below MIN_WORDS.
 #
-# So a per-step metric's records soon shrink to what it sends (464 bytes for a few small states), and a job that
+# So a per-step metric's records soon shrink to what it sends (472 bytes for a few small states), and a job that
 # alternates a large sync (a collection at the end of an epoch) with many small ones pays the second exchange at most
 # once per large sync.
 INITIAL_WORDS = _protocol.record_words(30)
