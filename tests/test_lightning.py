@@ -184,19 +184,11 @@ class ExistingProcessGroup(ClusterEnvironment):
         return 0
 
 
-def _trainer(strategy, world_size, use_distributed_sampler):
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        max_epochs=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=use_distributed_sampler,
-    )
+def _trainer(strategy, world_size, **settings):
+    """A quiet CPU Trainer of one epoch on ``strategy``; ``settings`` add to or replace the Trainer's arguments."""
+    quiet = {"max_epochs": 1, "num_sanity_val_steps": 0, "logger": False, "enable_checkpointing": False}
+    quiet |= {"enable_progress_bar": False, "enable_model_summary": False}
+    return pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, **(quiet | settings))
 
 
 def _loaders(rank, world_size, unpadded):

@@ -19,6 +19,7 @@ import torch
 from _helpers import sync_labels
 from lightning.pytorch.strategies import DDPStrategy
 from test_lightning import LIGHTNING_POOL, ExistingProcessGroup, MeanSquaredError, _data
+from test_lightning import _trainer as lightning_trainer
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryAveragePrecision
 from torchmetrics.functional.classification import binary_accuracy, binary_auroc, binary_average_precision
@@ -77,19 +78,8 @@ class ExactModel(pl.LightningModule):
 
 
 def _trainer(world_size, callbacks, **kwargs):
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=DDPStrategy(cluster_environment=ExistingProcessGroup(), process_group_backend="gloo"),
-        max_epochs=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    strategy = DDPStrategy(cluster_environment=ExistingProcessGroup(), process_group_backend="gloo")
+    return lightning_trainer(strategy, world_size, callbacks=callbacks, **kwargs)
 
 
 def body_exact(rank, world_size):

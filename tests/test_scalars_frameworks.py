@@ -16,7 +16,7 @@ N_TRAIN, TRAIN_BATCH, N_VAL, EVAL_BATCH, LOG_EVERY = 16, 4, 19, 3, 2
 def _lightning_body(rank, world_size):
     import lightning.pytorch as pl
     from _helpers import count_collectives
-    from test_lightning import ExistingProcessGroup, _data
+    from test_lightning import _data
     from torch.utils.data import DataLoader
 
     from torchmetrics_varlen.lightning import ExactEvaluation
@@ -57,21 +57,10 @@ def _lightning_body(rank, world_size):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    from lightning.pytorch.strategies import DDPStrategy
+    from test_lightning_exact import _trainer
 
     model = Model()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=DDPStrategy(cluster_environment=ExistingProcessGroup(), process_group_backend="gloo"),
-        max_epochs=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ExactEvaluation()],
-    )
+    trainer = _trainer(world_size, [ExactEvaluation()], max_epochs=2)
     train, val = _data(N_TRAIN, 1), _data(N_VAL, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
