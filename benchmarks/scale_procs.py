@@ -7,6 +7,7 @@ interleaved. Byte counts are exact whatever the machine's load; times are median
 run.
 """
 
+import datetime
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from torch import Tensor
 from benchmarks._timing import interleaved_medians
 from benchmarks.bench import _feed_eight, eight_metric_members  # the 8-metric case is the benchmark's
 from tests._meters import ByteMeter
-from torchmetrics_varlen import _transport
+from torchmetrics_varlen import _protocol, _transport
 
 Row = dict[str, Any]
 
@@ -205,16 +206,12 @@ def body_latency(rank: int, world_size: int, repeats: int) -> dict[str, float]:
 def _bare_sync(metric: Any, gather: Callable[..., Any], world_size: int) -> Callable[[], None]:
     """The least a sync of this metric's scalar integer states does through public calls: a bound, not a way to sync.
 
-    It sends a header of the length ours sends (zeros) and the states' values in one int64 row, with one
+    It sends a header as long as our header and slots (zeros) and the states' values in one int64 row, with one
     asynchronous gather and a timed wait (as the engine waits), compares every rank's header with the expected bytes,
     sums the data words and sets one fresh tensor per state, then restores the local states as ``unsync`` does. No
     guard, no policy or cap, no agreed record length, no timeout bookkeeping: what the engine adds to this is what
     a sync costs above it.
     """
-    import datetime
-
-    from torchmetrics_varlen import _protocol
-
     names = list(metric._defaults)
     header = [0] * _protocol.record_words(len(names))
     expected = bytes(8 * len(header) * world_size)
