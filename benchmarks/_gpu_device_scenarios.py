@@ -35,7 +35,8 @@ from benchmarks._gpu_common import (
     _SumCat,
     _update,
 )
-from torchmetrics_varlen import _policy, gather_all_tensors, rebase
+from torchmetrics_varlen import gather_all_tensors, rebase
+from torchmetrics_varlen._sync.group import link
 from torchmetrics_varlen.losses import SoftF1Loss
 
 __all__ = ["SCENARIOS"]
@@ -68,7 +69,9 @@ def _two_backend_empty_rank(ctx: Ctx) -> str:
     for metric in (rebased, hook, hook_cpu, one_rank):
         _update(metric, *local)
     _update(dense, local[0])
-    kinds = ctx.gather_objects(_policy.policy_for(group, dense.device).device.type)
+    group_link = link(group, dense.device, None, "two-backend-empty-rank")
+    assert group_link is not None  # a group of every rank: more than one
+    kinds = ctx.gather_objects(group_link.policy.device.type)
     if len(set(kinds)) != 1:
         raise AssertionError(f"the ranks picked different kinds of buffer device: {kinds}")
     expected = binary_auroc(preds, target, thresholds=None)

@@ -17,48 +17,43 @@ from torch.distributed.algorithms.join import Join
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, Scenario, _BatchMSE, _close
-from torchmetrics_varlen import _engine, _repeat
+from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync.group import REGISTRY, Link
 
 __all__ = ["SCENARIOS"]
 
 
 class _Recorder:
-    """Records what the worker threads hand to the engine, and which group carries the main thread's step syncs."""
+    """Records what the worker threads hand to the engine, and which group carries the main thread's step syncs.
+
+    Every sync of the package, its fast path (the learnt plans) included, starts with ``engine.start``, which
+    ``engine.sync`` looks up at call time: wrapping it sees every request and the link it runs over.
+    """
 
     def __init__(self) -> None:
         self.worker_tensors: list[tuple[str, str]] = []
         self.main_groups: list[Any] = []
-        self._original: Callable[..., Any] = _engine.run
-        self._original_repeat: Callable[..., Any] = _repeat.sync
+        self._original: Callable[..., Any] = engine.start
 
     def __enter__(self) -> "_Recorder":
-        original, original_repeat = self._original, self._original_repeat
+        original = self._original
 
-        def repeating(template: Any, states: Any, group: Any, timeout: Any, what: str) -> Any:
-            out = original_repeat(template, states, group, timeout, what)
-            main = threading.current_thread() is threading.main_thread()
-            if main and isinstance(out, list) and what.endswith(".step"):  # else the engine's run records it
-                self.main_groups.append(group)
-            return out
-
-        def recording(request: _engine.Request) -> Any:
+        def recording(request: engine.Request, link: Link) -> Any:
             if threading.current_thread() is threading.main_thread():
                 if request.label.endswith(".step"):
-                    self.main_groups.append(request.group)
+                    self.main_groups.append(link.group)
             else:
                 for entry in request.entries:
                     for tensor in entry if isinstance(entry, list) else [entry]:
                         if isinstance(tensor, Tensor):
                             self.worker_tensors.append((type(tensor).__name__, str(tensor.device)))
-            return original(request)
+            return original(request, link)
 
-        _engine.run = recording  # looked up at call time
-        _repeat.sync = repeating  # a repeated step sync takes the fast path, not the engine's run
+        engine.start = recording
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _engine.run = self._original
-        _repeat.sync = self._original_repeat
+        engine.start = self._original
 
     def check_worker(self) -> None:
         found = set(self.worker_tensors)
@@ -74,8 +69,29 @@ def _batches(ctx: Ctx, steps: list[int], seed: int) -> list[tuple[Tensor, Tensor
     ]
 
 
+def _side_group(metric: Any) -> Any:
+    """The side group of ``metric``'s process group: made by its first ``join``, kept with the group's state."""
+    state = REGISTRY.state(metric.process_group)
+    return state.side if state is not None else None
+
+
+def _refuse_plain_join(first: Any, second: Any, model: Any, **kwargs: Any) -> None:
+    """A plain ``Join`` of metrics is refused (a metric is no joinable of its own), before any collective."""
+    try:
+        Join([first, second, model], **kwargs)
+    except TypeError as err:
+        if "torchmetrics_varlen.join" not in str(err):
+            raise AssertionError(f"the plain Join's TypeError does not name torchmetrics_varlen.join: {err}") from err
+        return
+    raise AssertionError("a plain Join([metric, metric, ddp]) was accepted: expected a TypeError naming tv.join")
+
+
 def _train(ctx: Ctx, plain: bool, divide_by_initial_world_size: bool) -> str:
-    """DDP and two per-step metric losses on the job's device, uneven steps; exact epoch values, equal weights."""
+    """DDP and two per-step metric losses on the job's device, uneven steps; exact epoch values, equal weights.
+
+    ``plain``: first check that a plain ``Join([first, second, model])`` is refused (a metric is no joinable of its
+    own: ``tv.join`` orders the hooks), then train under ``tv.join`` as the other case does.
+    """
     steps = [6 - 2 * r if r < 2 else 0 for r in range(ctx.world_size)]  # a rank that ran 4 steps, one with none
     batches = _batches(ctx, steps, seed=300)
     torch.manual_seed(0)
@@ -83,7 +99,9 @@ def _train(ctx: Ctx, plain: bool, divide_by_initial_world_size: bool) -> str:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     first, second = _BatchMSE().to(ctx.device), _BatchMSE().to(ctx.device)
     kwargs = {"divide_by_initial_world_size": divide_by_initial_world_size}
-    manager = Join([first, second, model], **kwargs) if plain else tv.join(model, first, second, **kwargs)
+    if plain:
+        _refuse_plain_join(first, second, model, **kwargs)
+    manager = tv.join(model, first, second, **kwargs)
     seen_preds, seen_target = [], []
     with _Recorder() as recorder, manager:
         for x, y in batches:
@@ -106,9 +124,11 @@ def _train(ctx: Ctx, plain: bool, divide_by_initial_world_size: bool) -> str:
     for rank, other in enumerate(ctx.gather_objects(weights)):
         _close(f"rank {rank}'s weights after Join", other, weights, rtol=0, atol=0)
     # Step s runs on the job's group while every rank runs (here: none, a rank has no data), then on the side group.
-    side = first._join_group
+    side = _side_group(first)
     on_side = sum(group is side for group in recorder.main_groups)
-    how = "Join([first, second, model])" if plain else "tv.join(model, first, second)"
+    how = "tv.join(model, first, second)"
+    if plain:
+        how = f"Join([first, second, model]) refused with TypeError naming tv.join; {how}"
     return (
         f"{how} (divide_by_initial_world_size={divide_by_initial_world_size}), states on {ctx.device}, steps per"
         f" rank {steps}: no hang, the worker handed the engine CPU tensors only, epoch values as one process,"
@@ -121,10 +141,10 @@ def _metrics_alone(ctx: Ctx) -> str:
     steps = [5 if r == 0 else 3 for r in range(ctx.world_size)]
     batches = _batches(ctx, steps, seed=400)
     metric = _BatchMSE().to(ctx.device)
-    with _Recorder() as recorder, tv.join(metric):
+    with _Recorder() as recorder, tv.join(None, metric):  # metrics alone (as `tv.join(metric)`)
         values = [metric(x[:, 0].to(ctx.device), y.to(ctx.device)) for x, y in batches]
     recorder.check_worker()
-    side = metric._join_group
+    side = _side_group(metric)
     where = ["side" if group is side else "own" for group in recorder.main_groups]
     expected_where = ["own" if step < min(steps) else "side" for step in range(steps[ctx.rank])]
     if where != expected_where:
@@ -134,7 +154,7 @@ def _metrics_alone(ctx: Ctx) -> str:
         xs = torch.cat([b[step][0][:, 0] for b in everything if step < len(b)])
         ys = torch.cat([b[step][1] for b in everything if step < len(b)])
         _close(f"step {step}'s global-batch MSE", value.cpu(), ((xs - ys) ** 2).mean(), rtol=1e-10, atol=1e-12)
-    return f"tv.join(metric), states on {ctx.device}, steps per rank {steps}: step syncs {where}, values exact"
+    return f"tv.join(None, metric), states on {ctx.device}, steps per rank {steps}: step syncs {where}, values exact"
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -145,8 +165,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "join-plain-metrics-first",
-        "Join([metric, metric, ddp]) with states on the device; DDP divides by the running ranks (our count)",
+        "plain Join([metric, metric, ddp]) refused; tv.join with states on the device, DDP dividing by the running"
+        " ranks (our count)",
         lambda ctx: _train(ctx, plain=True, divide_by_initial_world_size=False),
     ),
-    Scenario("join-metrics-alone", "tv.join(metric) with states on the device: the group switch", _metrics_alone),
+    Scenario("join-metrics-alone", "tv.join(None, metric) with states on the device: the group switch", _metrics_alone),
 )

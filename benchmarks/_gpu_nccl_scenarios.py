@@ -1,6 +1,6 @@
 """GPU check scenarios of issue 34: NCCL's cost of the broadcast route, the gather to one rank, shared GPUs.
 
-* ``broadcast-min-measure``: what the broadcast route's threshold (``_policy.BROADCAST_MIN_BYTES``) weighs, on the
+* ``broadcast-min-measure``: what the broadcast route's threshold (``group.BROADCAST_MIN_BYTES``) weighs, on the
   job's backend: the padded gather of a state whose largest rank holds ``S`` bytes (the others ``S / 8``) against its
   route (one list ``all_gather`` on NCCL, which NCCL runs as one group of broadcasts; per-rank broadcasts elsewhere),
   medians over repeats, and the smallest ``S`` from which the route is as fast. NCCL's threshold (4 MiB) is a choice
@@ -27,7 +27,8 @@ from torchmetrics.aggregation import CatMetric
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, NoteError, Scenario, SkipError, _close, counted
-from torchmetrics_varlen import _policy, _transport
+from torchmetrics_varlen._sync import comm, wait
+from torchmetrics_varlen._sync.group import Facts, backend_of, decide, is_nccl, link
 
 __all__ = ["SCENARIOS"]
 
@@ -47,22 +48,24 @@ def _timed(ctx: Ctx, run: Callable[[], None], repeats: int) -> float:
 
 def _route_costs(ctx: Ctx, big: int, repeats: int) -> tuple[float, float]:
     """(padded gather ms, the route's ms) for a state of ``big`` bytes on rank 0, ``big // 8`` on the others."""
-    policy = _policy.policy_for(None, ctx.device)
-    device, wait, rank, world = policy.device, policy.wait, ctx.rank, ctx.world_size
+    # The job's group as a metric on this device syncs over it: its policy, and the engine's collectives and waits.
+    job = link(None, ctx.device, None, "broadcast-min-measure")
+    assert job is not None  # the job's group: more than one rank
+    policy, state = job.policy, job.state
+    device, rank, world = policy.device, ctx.rank, ctx.world_size
     sizes = [big if src == 0 else big // 8 for src in range(world)]
     padded = torch.ones(big, dtype=torch.uint8, device=device)
     rows = torch.empty(world * big, dtype=torch.uint8, device=device)
     parts = [torch.ones(n, dtype=torch.uint8, device=device) for n in sizes]
-    what = "broadcast-min-measure"
 
-    def gather() -> None:
-        _transport.gather_rows(padded, None, wait, None, what, rows)
+    def gather() -> None:  # the padded gather, as the data step runs it
+        wait.wait(comm.gather_equal(rows, padded, state.pg, state.backend), job, device.type)
 
-    def route() -> None:
+    def route() -> None:  # one round of the broadcast route, as the data step runs it
         if policy.grouped_broadcasts:
-            _transport.gather_rounds([parts], rank, None, wait, None, what)
+            wait.wait_all([(comm.all_gather(parts, rank, state.pg), device.type)], job)
         else:
-            _transport.broadcast_all(list(enumerate(parts)), None, wait, None, what)
+            wait.wait_all([(comm.broadcast(part, src, state.pg), device.type) for src, part in enumerate(parts)], job)
 
     return _timed(ctx, gather, repeats), _timed(ctx, route, repeats)
 
@@ -76,8 +79,8 @@ def _broadcast_min_measure(ctx: Ctx) -> str:
     wins = [route <= gather for gather, route in costs.values()]
     first = next((big for index, big in enumerate(sizes) if all(wins[index:])), None)  # and at every larger size
     table = ", ".join(f"{_size(big)} {gather:.3g}/{route:.3g}" for big, (gather, route) in costs.items())
-    backend = _policy.backend_of(None)
-    threshold = _policy.decide(_policy.Facts(backend, ctx.device, current_cuda=max(ctx.device.index or 0, 0)))
+    backend = backend_of(dist.group.WORLD)
+    threshold = decide(Facts(backend, ctx.device, current_cuda=max(ctx.device.index or 0, 0)))
     return (
         f"{backend}, {ctx.world_size} ranks, largest rank S and the others S/8, padded gather/route ms: {table};"
         f" the route is as fast from {_size(first) if first else 'none of these'} on (threshold in use:"
@@ -122,7 +125,7 @@ def _to_one_rank_memory(ctx: Ctx) -> str:
         for name, fn in originals.items():
             setattr(dist, name, fn)
     _close("CatMetric to rank 0", got, data, rtol=0, atol=0)
-    nccl = _policy.is_nccl(ctx.backend, ctx.device.type)
+    nccl = is_nccl(ctx.backend, ctx.device.type)
     point_to_point = sorted({name for name in calls if name in ("gather", "all_to_all_single")})
     if nccl and point_to_point:
         raise AssertionError(f"compute_on_rank on NCCL issued {point_to_point}: point to point there")

@@ -32,7 +32,7 @@ from torchmetrics.aggregation import CatMetric
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import NoteError, SkipError, counted
-from torchmetrics_varlen import _policy
+from torchmetrics_varlen._sync.group import Facts, decide, link
 
 __all__ = ["SCENARIOS", "watchdog_child"]
 
@@ -50,13 +50,16 @@ def _counting(names: tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
 
 def _nccl2_group(device: torch.device) -> str:
     if device.type != "cuda":
-        policy = _policy.decide(_policy.Facts("nccl2", torch.device("cpu"), current_cuda=0))
+        policy = decide(Facts("nccl2", torch.device("cpu"), current_cuda=0))
         return f"(decided from facts, no group) nccl2: wait {policy.wait}, buffers on {policy.device}"
     try:
         group = dist.new_group(backend="nccl2", timeout=datetime.timedelta(seconds=60))
     except (ValueError, RuntimeError, AssertionError) as err:  # torch < 2.14 has no such backend (2.11 asserts)
         raise SkipError(f"torch {torch.__version__} makes no nccl2 group: {str(err).splitlines()[0][:120]}") from err
-    policy = _policy.policy_for(group, torch.device("cpu"))
+    group_link = link(group, torch.device("cpu"), None, "nccl2-group")  # a group of one syncs: forced by the caller
+    if group_link is None:
+        raise AssertionError("the 1-rank nccl2 group is not synced: force_sync_in_a_group_of_one was not applied")
+    policy = group_link.policy
     got = (policy.wait, policy.device.type, policy.grouped_broadcasts, policy.point_to_point)
     if got != ("poll", "cuda", True, False):
         raise AssertionError(f"nccl2 group ({dist.get_backend(group)}): policy {policy}")

@@ -13,7 +13,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, Scenario, _close, _on
-from torchmetrics_varlen import _broadcast, _engine
+from torchmetrics_varlen._sync import move
 from torchmetrics_varlen.onerank import compute_on_rank
 
 __all__ = ["SCENARIOS"]
@@ -64,27 +64,27 @@ def _skewed_to_one_rank(ctx: Ctx) -> str:
 
 
 def _allocation_fails(ctx: Ctx) -> str:
-    sizes = [_engine.AGREE_MIN_BYTES // 4 // ctx.world_size + 1000] * ctx.world_size
+    sizes = [move.AGREE_MIN_BYTES // 4 // ctx.world_size + 1000] * ctx.world_size
     gen = torch.Generator().manual_seed(23)
     data = torch.rand(sum(sizes), generator=gen)
     metric = tv.rebase(CatMetric)().to(ctx.device)
     (local,) = ctx.local((data,), sizes)
     metric.update(local)
-    original = _broadcast.empty
+    original = move.allocate  # where a sync allocates what it receives: looked up at call time
 
     def refuse(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         raise torch.OutOfMemoryError(f"CUDA out of memory (forced by the check): {numel} elements of {dtype}")
 
     failing = ctx.world_size - 1
     if ctx.rank == failing:
-        _broadcast.empty = refuse
+        move.allocate = refuse
     message = ""
     try:
         metric.compute()
     except tv.SyncMemoryError as err:
         message = str(err)
     finally:
-        _broadcast.empty = original
+        move.allocate = original
     if f"ranks [{failing}] could not allocate" not in message:
         raise AssertionError(f"expected SyncMemoryError naming rank {failing} on every rank, got {message!r}")
     metric._computed = None

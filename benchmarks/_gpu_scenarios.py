@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC, BinaryAveragePrecision, MulticlassAUROC
 from torchmetrics.functional.classification import (
     binary_accuracy,
@@ -236,9 +235,8 @@ def _join(ctx: Ctx) -> str:
     model = ctx.ddp(torch.nn.Linear(4, 1).double())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     metric = _BatchMSE().to(ctx.device)
-    join_fn = getattr(tv, "join", None)  # the public context manager, where this version has it
-    manager = join_fn(model, metric) if callable(join_fn) else Join([model, metric])
-    how = "torchmetrics_varlen.join(model, metric)" if callable(join_fn) else "Join([model, metric])"
+    manager = tv.join(model, metric)  # a metric is no joinable of its own: a plain Join of it is refused
+    how = "torchmetrics_varlen.join(model, metric)"
     seen_preds, seen_target = [], []
     with manager:
         for x, y in batches:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tests._meters import CollectiveCounter
-from torchmetrics_varlen._state_sync import sync_states
+from torchmetrics_varlen._sync.group import link
+from torchmetrics_varlen._sync.states import metrics_device, sync_states
 
 Case = dict[str, Any]
 SMALL_SYNC_REPEATS = 300
@@ -125,7 +126,10 @@ def _sync_only(collection: Any) -> None:
     """Just the state sync of every member, as each side does it inside compute()."""
     members = list(collection.values(copy_state=False))
     if type(collection).__module__.startswith("torchmetrics_varlen"):
-        sync_states(members, None, phase="collection", label="MetricCollection", timeout=None)
+        # As the collection's compute() syncs (`MetricCollection._sync_and_compute`), without computing after it.
+        sync_link = link(None, metrics_device(members), collection.sync_timeout, "sync of MetricCollection")
+        assert sync_link is not None  # the benchmark runs on 2+ ranks
+        sync_states(members, sync_link, phase="collection", label="MetricCollection", cap=collection.sync_cap)
         return
     for metric in members:  # stock: each member syncs its own states, then restores them
         metric.sync()

@@ -6,7 +6,8 @@ Two ways to run it, from the repository root, with a CUDA build of torch:
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.gpu_measure   # one GPU per rank
 
 NCCL refuses two ranks on one GPU, and the package skips every sync in a group of one, so with a single process the
-script patches the package's world lookup to answer ``(0, 1)``: the engine then issues its real NCCL calls on a 1-rank
+script makes the package sync in a group of one (``gpu_one_rank.force_sync_in_a_group_of_one``: the group registry
+answers with the group's state whatever its size): the engine then issues its real NCCL calls on a 1-rank
 communicator. Stock torchmetrics (1.9) issues its barrier and gathers in a group of one too, so W = 1 compares the
 calls each side makes and their fixed costs, not the bytes that cross a network. With more processes than GPUs
 the ranks share the GPU over gloo (CUDA states, host copies made by gloo). ``--cpu`` runs the same on gloo and CPU.

@@ -2,12 +2,14 @@
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and the package skips every sync in a group of one, so
 this check makes the package treat a group of one as a group to sync (one private name of the package, patched here
-and nowhere else: ``_transport.world_of``). Nothing crosses ranks, so ordering between ranks cannot show; what does:
-NCCL accepting every call the engine makes (the record exchange, the padded gather, the all-reduce buckets, the
-per-rank broadcasts, the sends to one rank, the memory check), stream order behind a kernel on a side stream, the
-backward all-reduce on the CUDA autograd thread, the group timeout read from ``ProcessGroupNCCL``'s options, the
-device memory a sync leaves allocated, ``TORCH_NCCL_BLOCKING_WAIT=1``. The other half, two processes sharing the GPU
-over gloo, is ``python -m benchmarks.gpu_check`` under ``torchrun``; ``python -m nox -s gpu`` runs both.
+and nowhere else: the registry's ``state`` method, ``torchmetrics_varlen._sync.group.REGISTRY.state``; the
+``small-sync`` scenario only wraps the engine's fast path to count it, and restores it). Nothing crosses ranks, so
+ordering between ranks cannot show; what does: NCCL accepting every call the engine makes (the record exchange, the
+padded gather, the all-reduce buckets, the per-rank broadcasts, the sends to one rank, the memory check), stream order
+behind a kernel on a side stream, the backward all-reduce on the CUDA autograd thread, the group timeout read from
+``ProcessGroupNCCL``'s options, the device memory a sync leaves allocated, ``TORCH_NCCL_BLOCKING_WAIT=1``. The other
+half, two processes sharing the GPU over gloo, is ``python -m benchmarks.gpu_check`` under ``torchrun``;
+``python -m nox -s gpu`` runs both.
 
 Run from the repository root with a CUDA build of torch::
 
@@ -37,7 +39,8 @@ from torchmetrics.utilities.data import dim_zero_cat
 import torchmetrics_varlen as tv
 from benchmarks import _gpu_one_rank_nccl
 from benchmarks._gpu_common import NoteError, SkipError
-from torchmetrics_varlen import _repeat
+from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync.group import REGISTRY, GroupState, Link, group_timeout
 
 __all__ = ["force_sync_in_a_group_of_one", "main"]
 
@@ -94,15 +97,23 @@ class _Cat(tv.Metric):
 
 
 def force_sync_in_a_group_of_one() -> None:
-    """Make the package sync in a group of one: the one place the GPU checks patch a private name of the package."""
-    from torchmetrics_varlen import _transport
+    """Make the package sync in a group of one: the one place the GPU checks patch a private name of the package.
 
-    original = _transport.world_of
+    Every sync asks ``REGISTRY.state(group)`` whether there is anything to sync (``link``, ``Metric._distributed``,
+    ``compute_on_rank``), and the registry answers None for a group of one. The method is replaced on the registry
+    instance by one that answers with the group's state whatever its size: the state the registry made and keeps for
+    the group (so ``REGISTRY.reset()`` still forgets it), read from its table after the original call made it.
+    """
+    registry = REGISTRY
+    original = registry.state
 
-    def world_of(group: Any) -> tuple[int, int] | None:
-        return original(group) or ((0, 1) if dist.is_initialized() else None)
+    def state(group: Any) -> GroupState | None:
+        found = original(group)  # makes and keeps the group's state, even for a group of one
+        if found is not None or not dist.is_initialized():
+            return found
+        return registry._states.get(group if group is not None else dist.group.WORLD)
 
-    _transport.world_of = world_of
+    registry.state = state  # type: ignore[method-assign]
 
 
 def _dense_reduce(device: torch.device, mode: str) -> str:
@@ -145,15 +156,17 @@ def _small_sync(device: torch.device) -> str:
 
     for name, fn in originals.items():
         setattr(dist, name, counting(name, fn))
+    # The fast path is the engine's plan cache: a learnt request's results come from `_fast_results`, which answers
+    # None where the exchanged headers are not the learnt ones (the sync then goes the long way).
     fast: list[bool] = []
-    original_repeat = _repeat.sync
+    original_fast = engine._fast_results
 
-    def repeated(*args: Any) -> Any:
-        out = original_repeat(*args)
-        fast.append(isinstance(out, list))
+    def fast_results(learnt: Any, table: Tensor, request: engine.Request, link: Link) -> engine.Synced | None:
+        out = original_fast(learnt, table, request, link)
+        fast.append(out is not None)
         return out
 
-    _repeat.sync = repeated  # type: ignore[assignment]
+    engine._fast_results = fast_results
     try:
         got = metric.compute()
         first_calls = list(calls)
@@ -162,7 +175,7 @@ def _small_sync(device: torch.device) -> str:
             again = metric.compute()
             torch.testing.assert_close(again, got, rtol=0, atol=0)
     finally:
-        _repeat.sync = original_repeat
+        engine._fast_results = original_fast
         for name, fn in originals.items():
             setattr(dist, name, fn)
     reference = BinaryAccuracy().to(device)  # stock, one process, the same data
@@ -248,9 +261,7 @@ def _memory_after_compute(device: torch.device) -> str:
 
 
 def _group_timeout(device: torch.device) -> str:
-    from torchmetrics_varlen import _waits
-
-    seconds = _waits.group_timeout(None, device.type)
+    seconds = group_timeout(dist.group.WORLD, device.type)
     if seconds != GROUP_TIMEOUT:
         raise AssertionError(f"read {seconds} s from the group's options, made with {GROUP_TIMEOUT:g} s")
     return f"{seconds:g} s read from the {dist.get_backend()} backend's options"

@@ -15,15 +15,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _broadcast, _buffers, _engine, _plan, _policy, _protocol, _transport
-from torchmetrics_varlen._plan import Plan
-from torchmetrics_varlen._protocol import LocalEntry
+from torchmetrics_varlen._sync.group import BROADCAST_MIN_BYTES, DEFAULT_CAP, INITIAL_WORDS, MIN_WORDS, sent_cap
+from torchmetrics_varlen._sync.move import AGREE_MIN_BYTES
+from torchmetrics_varlen._sync.pack import chunk_elements, pack
+from torchmetrics_varlen._sync.plan import OP_MAX, OP_MEAN, OP_NONE, OP_SUM, Plan, make_plan
+from torchmetrics_varlen._sync.record import LocalEntry, context_hash, describe
+from torchmetrics_varlen._sync.unpack import unpack
 
 Row = dict[str, Any]
 CAT_ENTRIES, DENSE_ENTRIES = 8, 16
 _DENSE_SHAPES = [(), (5,), (5, 5), (10,)]
 _DENSE_DTYPES = [torch.float32, torch.int64, torch.float64, torch.float32]
-_DENSE_OPS = [_plan.OP_SUM, _plan.OP_SUM, _plan.OP_MAX, _plan.OP_MEAN]
+_DENSE_OPS = [OP_SUM, OP_SUM, OP_MAX, OP_MEAN]
 
 
 def synthetic_entries(rank: int) -> list[LocalEntry]:
@@ -38,8 +41,8 @@ def synthetic_entries(rank: int) -> list[LocalEntry]:
 
 
 def synthetic_ops() -> tuple[list[int], list[bool]]:
-    """The reductions (``_plan.OP_*``) and ``cat`` flags of :func:`synthetic_entries`."""
-    ops = [_plan.OP_NONE] * CAT_ENTRIES + [_DENSE_OPS[j % 4] for j in range(DENSE_ENTRIES)]
+    """The reductions (``plan.OP_*``) and ``cat`` flags of :func:`synthetic_entries`."""
+    ops = [OP_NONE] * CAT_ENTRIES + [_DENSE_OPS[j % 4] for j in range(DENSE_ENTRIES)]
     return ops, [True] * CAT_ENTRIES + [False] * DENSE_ENTRIES
 
 
@@ -48,15 +51,15 @@ def record_words(words: int, settled: bool = False) -> int:
 
     ``settled``: after a window of syncs like this one, when the length is at least the least one.
     """
-    return max(_transport.MIN_WORDS if settled else _transport.INITIAL_WORDS, words)
+    return max(MIN_WORDS if settled else INITIAL_WORDS, words)
 
 
 def plan_bytes(plan: Plan, words: int, settled: bool = False) -> Row:
     """Per rank: collectives, bytes received and collective buffers that ``plan`` implies (as ``ByteMeter`` counts).
 
     Example:
-        >>> table = torch.tensor([_protocol.describe([torch.zeros(3)], 1, "x")] * 4)
-        >>> plan_bytes(_plan.make_plan(table, "x"), table.shape[1])["gather"]
+        >>> table = torch.tensor([describe([torch.zeros(3)], 1, "x", 0, None, False, DEFAULT_CAP)] * 4)
+        >>> plan_bytes(make_plan(table, "x"), table.shape[1])["gather"]
         64
     """
     world = plan.world_size
@@ -69,12 +72,12 @@ def plan_bytes(plan: Plan, words: int, settled: bool = False) -> Row:
     for index in plan.broadcast:
         entry = plan.entries[index]
         assert entry.dtype is not None  # only entries with data are broadcast
-        chunk = _broadcast.chunk_elements(plan.cap, entry.dtype.itemsize)
+        chunk = chunk_elements(plan.cap, entry.dtype.itemsize)
         for count in entry.numels.tolist():
             broadcast += count * entry.dtype.itemsize
             broadcasts += -(-count // chunk)
-    # The memory check: one int64 per rank, when the sync receives enough to be worth it (see _engine).
-    check = 0 if plan.inline or plan.alloc_bytes < _engine.AGREE_MIN_BYTES else world * 8
+    # The memory check: one int64 per rank, when the sync receives enough to be worth it (see _sync.move).
+    check = 0 if plan.inline or plan.alloc_bytes < AGREE_MIN_BYTES else world * 8
     return {
         "collectives": 1 + (max_bytes > 0) + len(plan.reduce_groups) + broadcasts + (check > 0),
         "metadata": metadata,
@@ -107,12 +110,14 @@ def metric_plan_bytes(metric: Any, world: int, settled: bool = False) -> Row:
 
     ``settled``: once the group's record length has shrunk to such syncs.
     """
-    from torchmetrics_varlen._state_sync import sync_layout
+    from torchmetrics_varlen._sync.states import layout
 
-    layout = sync_layout([metric], "compute")
-    record = _protocol.describe(layout.entries, layout.context, "scale", 0, layout.aux, inline=True)
+    sync_layout = layout([metric], "compute")
+    classes, cap = sync_layout.classes, sent_cap(sync_layout.cap)  # the cap the engine's record carries
+    record = describe(sync_layout.entries, sync_layout.context, "scale", 0, sync_layout.aux, True, cap)
     table = torch.tensor([record] * world, dtype=torch.int64)
-    plan = _plan.make_plan(table, "scale", layout.ops, "auto", broadcast_min=_policy.BROADCAST_MIN_BYTES["gloo"])
+    broadcast_min = BROADCAST_MIN_BYTES["gloo"]
+    plan = make_plan(table, "scale", classes.ops, "auto", cat=classes.cat, broadcast_min=broadcast_min)
     return plan_bytes(plan, len(record), settled)
 
 
@@ -120,11 +125,14 @@ def time_planner(world: int, runs: int) -> Row:
     """Median ms of ``make_plan`` (no plan cache) and ``unpack`` over ``world`` synthetic ranks; the plan's bytes."""
     per_rank = [synthetic_entries(rank) for rank in range(world)]
     ops, cat = synthetic_ops()
-    context = _protocol.context_hash("synthetic")
-    table = torch.tensor([_protocol.describe(entries, context, "synthetic") for entries in per_rank])
-    plan = _plan.make_plan(table, "synthetic", ops, "auto", cat=cat)
+    context = context_hash("synthetic")
+    table = torch.tensor([describe(entries, context, "synthetic", 0, None, False, DEFAULT_CAP) for entries in per_rank])
+    plan = make_plan(table, "synthetic", ops, "auto", cat=cat)
     cpu = torch.device("cpu")
-    packed = [_buffers.pack(entries, plan, rank, cpu).clone() for rank, entries in enumerate(per_rank)]
+    packed = [
+        pack(entries, plan, rank, torch.zeros(plan.max_bytes, dtype=torch.uint8))
+        for rank, entries in enumerate(per_rank)
+    ]
     rows = torch.stack(packed) if plan.max_bytes else None
     devices = [cpu] * len(ops)
     plan_ms: list[float] = []
@@ -132,9 +140,9 @@ def time_planner(world: int, runs: int) -> Row:
     total_ms: list[float] = []
     for _ in range(runs):
         start = time.perf_counter()
-        plan = _plan.make_plan(table, "synthetic", ops, "auto", cat=cat)
+        plan = make_plan(table, "synthetic", ops, "auto", cat=cat)
         middle = time.perf_counter()
-        _buffers.unpack(rows, plan, devices, cat)
+        unpack(rows, plan, devices, cat)
         end = time.perf_counter()
         plan_ms.append((middle - start) * 1000)
         unpack_ms.append((end - middle) * 1000)

@@ -19,7 +19,8 @@ from torch import Tensor
 from benchmarks._timing import interleaved_medians
 from benchmarks.bench import _feed_eight, eight_metric_members  # the 8-metric case is the benchmark's
 from tests._meters import ByteMeter
-from torchmetrics_varlen import _protocol, _transport
+from torchmetrics_varlen._sync.group import RECORD_WINDOW
+from torchmetrics_varlen._sync.record import record_words
 
 Row = dict[str, Any]
 
@@ -159,7 +160,7 @@ def body_bytes(rank: int, world_size: int, quick: bool) -> dict[str, dict[str, d
         out[name] = {}
         for side in ("stock", "varlen"):
             metric = build_case(name, side, rank, quick)
-            for _ in range(2 * _transport.RECORD_WINDOW if name == SETTLED_CASE else 1):
+            for _ in range(2 * RECORD_WINDOW if name == SETTLED_CASE else 1):
                 fresh_compute(metric)
             dist.barrier()
             with ByteMeter() as meter:
@@ -213,7 +214,7 @@ def _bare_sync(metric: Any, gather: Callable[..., Any], world_size: int) -> Call
     a sync costs above it.
     """
     names = list(metric._defaults)
-    header = [0] * _protocol.record_words(len(names))
+    header = [0] * record_words(len(names))
     expected = bytes(8 * len(header) * world_size)
     timeout = datetime.timedelta(seconds=60)
     attrs = vars(metric)

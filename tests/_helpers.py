@@ -1,7 +1,9 @@
 """Helpers shared by test bodies (imported inside spawned ranks)."""
 
 import contextlib
+import dataclasses
 import warnings
+import weakref
 from collections import Counter
 
 import torch
@@ -63,47 +65,120 @@ def count_collectives(calls=None):
 def sync_labels():
     """The labels of this package's syncs while the block runs, in order: one per metadata exchange.
 
-    A sync exchanges its records once (``exchange_records``); ``what``, its sixth argument, is "sync of <label>".
+    Every sync starts with one record exchange: :func:`engine.start` (a request's sync, the fast path's too) or
+    :func:`engine.exchange` (a record the caller brings: ``ScalarLog``). The label is the link's ``what`` without its
+    "sync of " prefix.
     """
-    from torchmetrics_varlen import _transport
+    from torchmetrics_varlen._sync import engine
 
     labels: list = []
-    originals = {"exchange_records": _transport.exchange_records}
+    originals = {"start": engine.start, "exchange": engine.exchange}
 
     def wrap(fn):
-        def exchange(*args):
-            labels.append(args[5].removeprefix("sync of "))
-            return fn(*args)
+        def started(words_or_request, link, *args):
+            labels.append(link.what.removeprefix("sync of "))
+            return fn(words_or_request, link, *args)
 
-        return exchange
+        return started
 
     for name, fn in originals.items():
-        setattr(_transport, name, wrap(fn))
+        setattr(engine, name, wrap(fn))
     try:
         yield labels
     finally:
         for name, fn in originals.items():
-            setattr(_transport, name, fn)
+            setattr(engine, name, fn)
 
 
 @contextlib.contextmanager
 def fast_path_taken():
-    """Yields a list that gets, per sync that reached the fast path's exchange, whether it took the learnt plan."""
-    from torchmetrics_varlen import _repeat
+    """Yields a list that gets, per sync that reached the fast path's exchange, whether it took the learnt plan.
+
+    A sync whose key was learnt sends the learnt header and slots; once the records are exchanged the engine compares
+    every rank's with the learnt ones (``engine._fast_results``): the learnt plan's results, or None (the long way).
+    """
+    from torchmetrics_varlen._sync import engine
 
     taken = []
-    original = _repeat.sync
+    original = engine._fast_results
 
     def counted(*args):
         out = original(*args)
-        taken.append(isinstance(out, list))
+        taken.append(out is not None)
         return out
 
-    _repeat.sync = counted
+    engine._fast_results = counted
     try:
         yield taken
     finally:
-        _repeat.sync = original
+        engine._fast_results = original
+
+
+def _forget_policies():
+    """Every group's cached policies, dropped (``GroupState.policy`` asks ``decide`` again at its next call)."""
+    from torchmetrics_varlen._sync.group import REGISTRY
+
+    states = getattr(REGISTRY, "_states", None)
+    if states is None:  # no way to reach the states: forget the groups altogether (on every rank alike)
+        REGISTRY.reset()
+        return
+    for state in list(states.values()):
+        state.policies.clear()
+
+
+@contextlib.contextmanager
+def forced_policy(**fields):
+    """Syncs inside the block run under the policy the real facts give with ``fields`` replaced (tests only).
+
+    The package has no switch for this: ``group.decide`` is replaced in this process (``GroupState.policy`` looks it
+    up at every call that misses its cache), and every group's cached policies are dropped on entry and on exit. So
+    a body can take the path another backend takes on gloo (``grouped_broadcasts=True``, ``point_to_point=False``,
+    ``device_records=True``, ``wait="poll"``, ...). It applies to every thread of the process, and to every rank that
+    enters it: a rank outside such a block decides for itself. Yields the policy of a CPU metric on the world group.
+    """
+    from torchmetrics_varlen._sync import group
+
+    original = group.decide
+
+    def decide(facts):
+        return dataclasses.replace(original(facts), **fields)
+
+    group.decide = decide
+    _forget_policies()
+    try:
+        state = group.REGISTRY.state(None) if dist.is_initialized() else None
+        yield state.policy(torch.device("cpu"), None) if state is not None else None
+    finally:
+        group.decide = original
+        _forget_policies()
+
+
+class MadeUpGroup:
+    """A made-up process group: what a group's state reads of one (``bound_device_id``), no process group needed."""
+
+    def __init__(self, bound=None):
+        self.bound_device_id = bound
+
+
+def group_state(pg=None, backend="gloo", rank=0, size=2):
+    """A group's state as the registry makes one, for a made-up process group (``MadeUpGroup``) and backend.
+
+    The state refers to its group weakly, as the registry's states do: the state holds ``pg`` here, so that it stays
+    alive as long as the state.
+    """
+    from torchmetrics_varlen._sync.group import GroupState
+
+    pg = MadeUpGroup() if pg is None else pg
+    state = GroupState(weakref.ref(pg), rank, size, backend, "0.1", "made-up")
+    state.held_group = pg
+    return state
+
+
+def describe(entries, context, label, flags=0, aux=None, inline=False, cap=None):
+    """A record of ``entries`` as ``record.describe`` writes it; ``cap`` None: the default transfer cap."""
+    from torchmetrics_varlen._sync import group, record
+
+    return record.describe(entries, context, label, flags, aux, inline, group.DEFAULT_CAP if cap is None else cap)
 
 
 def split(sizes, rank):

@@ -12,12 +12,17 @@ import warnings
 
 import pytest
 import torch
+from _helpers import forced_policy
 from conftest import run_distributed
 from torchmetrics.classification import BinaryAUROC
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _engine, _policy, _waits, compute_on_rank, gather_all_tensors
-from torchmetrics_varlen._buffers import Joined
+from torchmetrics_varlen import compute_on_rank, gather_all_tensors
+from torchmetrics_varlen._sync import engine as _engine
+from torchmetrics_varlen._sync import move
+from torchmetrics_varlen._sync import wait as _waits
+from torchmetrics_varlen._sync.group import GroupState, link, sent_cap
+from torchmetrics_varlen._sync.pack import Joined
 
 DEADLINE = 60.0
 
@@ -36,6 +41,23 @@ def _spy(module, name, record):
         yield
     finally:
         setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def _policies_asked(record):
+    """Record ``(device, local, policy)`` of every ``GroupState.policy`` call (what ``link`` asks at every sync)."""
+    original = GroupState.policy
+
+    def policy(self, device, local):
+        decided = original(self, device, local)
+        record.append((device, local, decided))
+        return decided
+
+    GroupState.policy = policy
+    try:
+        yield
+    finally:
+        GroupState.policy = original
 
 
 class _Values(tv.Metric):
@@ -64,13 +86,18 @@ def body_engine_asks_with_the_metric_device(rank, world_size):
     entry = [local] if sizes[rank] else []
     asked = []
     metric_device = torch.device("meta")  # stands for a device no local tensor is on (gloo still serves the sync)
-    with _spy(_policy, "policy_for", asked):
-        synced = _engine.run(_engine.Request([entry], None, 7, "test", 30.0, cat=[True], device=metric_device))
+    # As every caller does: the link is asked with the metric's device, this rank's first local tensor beside it.
+    with _policies_asked(asked):
+        sync_link = link(None, metric_device, 30.0, "sync of test", local if sizes[rank] else None)
+    request = _engine.Request([entry], 7, "test", cat=[True], device=metric_device, cap=sent_cap(None))
+    synced = _engine.sync(request, sync_link)
     assert synced is not None
     result = synced.results[0]
     assert isinstance(result, Joined) and result.tensor is not None
+    policy = sync_link.policy
     return {
-        "asked": [(args[1], kwargs) for args, kwargs in asked],
+        "asked": [device for device, _, _ in asked],
+        "policy": (policy.backend, policy.device, policy.wait, policy.grad_device, policy.broadcast_min),
         "device": result.tensor.device,
         "values": result.tensor.to("cpu") if result.tensor.device.type != "meta" else None,
         "shape": tuple(result.tensor.shape),
@@ -81,9 +108,11 @@ def body_engine_asks_with_the_metric_device(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_engine_decides_from_the_metric_device_and_an_empty_entry_gets_it(world_size):
     results = run_distributed(body_engine_asks_with_the_metric_device, world_size, deadline=DEADLINE)
+    # The policy is decided from the metric's device: the empty rank (no local tensor) decides as the others do.
+    assert len({res["policy"] for res in results}) == 1, [res["policy"] for res in results]
     for rank, res in enumerate(results):
         # Every rank asks the policy about the metric's device, the empty rank too (its first local tensor: none).
-        assert [device for device, _ in res["asked"]] == [torch.device("meta")], res["asked"]
+        assert res["asked"] == [torch.device("meta")], res["asked"]
         assert res["shape"] == tuple(res["expected"].shape)
         if rank == 0:  # no tensor of its own: the results go to the metric's device
             assert res["device"] == torch.device("meta")
@@ -93,26 +122,34 @@ def test_the_engine_decides_from_the_metric_device_and_an_empty_entry_gets_it(wo
 
 
 def _engine_devices(calls):
-    return [args[0].device for args, _ in calls]  # each call's one argument: the request
+    return [args[0].device for args, _ in calls]  # each call's first argument: the request
 
 
 def body_callers_pass_the_metric_device(rank, world_size):
     everything, sizes, local = _data(rank, world_size)
-    runs, asked = [], []
+    runs, asked, shared = [], [], []
     metric, auroc = _Values(), BinaryAUROC(thresholds=None)
     members = tv.MetricCollection({"first": _Values(), "second": _Values()})
     if sizes[rank]:
         metric.update(local)
         members.update(local)
         auroc.update(local / local.max(), (local.long() % 2))
-    with _spy(_engine, "run", runs), _spy(_policy, "policy_for", asked), warnings.catch_warnings():
+    with (
+        _spy(_engine, "start", runs),
+        _spy(move, "share", shared),
+        _policies_asked(asked),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")  # "compute before update" on the empty rank
         got = {"metric": metric.compute(), "collection": members.compute()["first"]}
         one_rank = compute_on_rank(auroc, dst=world_size - 1)
         hooked = gather_all_tensors(local)
+    # compute_on_rank's broadcast of the result runs under the policy its sync was given (asked third).
+    share_policies = [args[2].policy for args, _ in shared]
     return {
         "runs": _engine_devices(runs),
-        "asked": [args[1] for args, _ in asked],
+        "asked": [device for device, _, _ in asked],
+        "share_under_sync_policy": [policy is asked[2][2] for policy in share_policies],
         "got": got,
         "expected": everything[: sum(sizes)],
         "one_rank": one_rank,
@@ -127,8 +164,10 @@ def test_every_caller_passes_the_metric_device_on_every_rank(world_size):
     for res in results:
         # Metric, MetricCollection and compute_on_rank hand the engine the metric's device; the hook has none.
         assert res["runs"] == [cpu, cpu, cpu, None], res["runs"]
-        # The policy is asked with it for every collective, compute_on_rank's broadcast included.
-        assert res["asked"] == [cpu, cpu, cpu, cpu, None], res["asked"]
+        # The policy is asked with it for every sync (the hook: with none). compute_on_rank's broadcast of the result
+        # is no longer asked for again: it runs under its sync's link, decided with the metric's device.
+        assert res["asked"] == [cpu, cpu, cpu, None], res["asked"]
+        assert res["share_under_sync_policy"] == [True], res["share_under_sync_policy"]
         for name, value in res["got"].items():
             torch.testing.assert_close(value, res["expected"], rtol=0, atol=0, msg=name)
         assert res["hooked"] == [0] + [3 + r for r in range(1, world_size)]
@@ -150,7 +189,7 @@ def body_backward_wait(rank, world_size, forced):
     original, first_original = _waits.wait_for, _waits.wait_first
     _waits.wait_for, _waits.wait_first = record, record_first
     try:
-        with _policy.forced(grad_wait=forced) if forced else contextlib.nullcontext():
+        with forced_policy(grad_wait=forced) if forced else contextlib.nullcontext():
             loss = 0.5 * (torch.cat(gather_all_tensors(x, sync_grads=True)) ** 2).sum()
             forward = len(modes)
             loss.backward()

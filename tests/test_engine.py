@@ -9,22 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import count_collectives, split
+from _helpers import count_collectives, describe, forced_policy, split
 from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import (
-    Metric,
-    SoftF1Loss,
-    SyncPeerError,
-    SyncTimeoutError,
-    _plan,
-    _policy,
-    _protocol,
-    _transport,
-    rebase,
-)
+from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, rebase
+from torchmetrics_varlen._sync import group as _group
+from torchmetrics_varlen._sync import plan as _plan
+from torchmetrics_varlen._sync import record as _record
 
 _REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
 
@@ -176,11 +169,11 @@ def test_small_metric_whole_sync_is_under_8_kb_on_4_ranks():
 
 def _waiting(wait):
     """The real policy's wait on gloo ("block"), or the polling that NCCL gets, forced on gloo."""
-    return contextlib.nullcontext() if wait == "block" else _policy.forced(wait=wait)
+    return contextlib.nullcontext() if wait == "block" else forced_policy(wait=wait)
 
 
 def body_peer_crash(rank, world_size, wait):
-    assert _policy.policy_for(None, torch.device("cpu")).wait == "block"  # what gloo gets unless forced
+    assert _group.REGISTRY.state(None).policy(torch.device("cpu"), None).wait == "block"  # gloo's, unless forced
     metric = rebase(BinaryAccuracy)(sync_timeout=30)
     metric.update(torch.tensor([0.2, 0.8]), torch.tensor([0, 1]))
     before = {name: getattr(metric, name).clone() for name in metric._defaults}
@@ -311,8 +304,9 @@ def test_uneven_cat_state_gradients_are_exact(world_size):
 def test_int64_sums_split_into_float64_halves_are_bit_identical():
     # In process: what an all-reduce of the encoded halves gives (their float64 sum) decodes to torch.sum's int64
     # result, extreme values and wrap-around included.
-    from torchmetrics_varlen._buffers import _decode, _encode
-    from torchmetrics_varlen._routes import ENC_INVERT, ENC_SPLIT
+    from torchmetrics_varlen._sync.pack import _encode
+    from torchmetrics_varlen._sync.plan import ENC_INVERT, ENC_SPLIT
+    from torchmetrics_varlen._sync.unpack import _decode
 
     info = torch.iinfo(torch.int64)
     ranks = [
@@ -374,8 +368,6 @@ def test_cat_state_keeps_the_rank_local_graph_without_sync_grads(world_size):
 def test_collective_budget_whatever_the_states(world, with_cat):
     # In process, from the plan: sum, mean and max states large enough to be all-reduced on many ranks, with or
     # without `cat` lists to gather: at most 3 collectives (metadata + gather + 1 all-reduce, or metadata + 2).
-    from torchmetrics_varlen import _plan, _protocol
-
     def entries(rank):
         dense = [torch.zeros(64), torch.zeros(64, dtype=torch.int64), torch.zeros(64), torch.zeros(32)]
         lists = [[torch.ones(rank % 5 + 1)] for _ in range(3)] if with_cat else []
@@ -388,7 +380,7 @@ def test_collective_budget_whatever_the_states(world, with_cat):
         _plan.OP_MAX,
     ]
     cat = [True] * (3 if with_cat else 0) + [False] * 4
-    table = torch.tensor([_protocol.describe(entries(rank), 7, "budget") for rank in range(world)])
+    table = torch.tensor([describe(entries(rank), 7, "budget") for rank in range(world)])
     plan = _plan.make_plan(table, "budget", ops, cat=cat)
     collectives = 1 + (plan.max_bytes > 0) + len(plan.reduce_groups)
     assert collectives <= 3, (collectives, [group.op for group in plan.reduce_groups], plan.max_bytes)
@@ -430,10 +422,10 @@ def body_record_lengths(rank, world_size):
 
     values = {"small": sync(small), "wide": sync(wide)}  # syncs 1 and 2
     # The window of syncs 1-64 holds the wide one, so the length stays until the next window ends, after sync 128.
-    for _ in range(2 * _transport.RECORD_WINDOW - 1):  # syncs 3 .. 129
+    for _ in range(2 * _group.RECORD_WINDOW - 1):  # syncs 3 .. 129
         sync(small)
     sync(wide)  # after the window: the length shrank, the wide record needs a second exchange again
-    lengths = {"first": _transport.INITIAL_WORDS, "least": _transport.MIN_WORDS, "window": _transport.RECORD_WINDOW}
+    lengths = {"first": _group.INITIAL_WORDS, "least": _group.MIN_WORDS, "window": _group.RECORD_WINDOW}
     return {"log": log, "values": values, **lengths}
 
 
@@ -444,7 +436,7 @@ def test_records_are_sized_to_the_sync_and_shrink_after_a_window(world_size):
     for rank in range(world_size):
         single_small.update(torch.tensor([0.9, 0.2, 0.7][: rank + 1]), torch.tensor([1, 0, 0][: rank + 1]))
         single_wide.update(torch.arange(rank + 2, dtype=torch.float32))
-    wide_bytes = (_protocol.HEADER_LEN + 40 * 6 + 20) * 8  # header, slots, and 40 float32 sums riding in 20 words
+    wide_bytes = (_record.HEADER_LEN + 40 * 6 + 20) * 8  # header, slots, and 40 float32 sums riding in 20 words
     for result in results:
         first, least = result["first"] * 8, result["least"] * 8
         assert torch.equal(result["values"]["small"], single_small.compute())
@@ -460,7 +452,7 @@ def test_records_are_sized_to_the_sync_and_shrink_after_a_window(world_size):
 
 def test_docs_state_the_record_lengths_that_travel():
     # The pages that size records in bytes must give the lengths that the test above measures on the wire.
-    first, least = f"{_transport.INITIAL_WORDS * 8:,}", f"{_transport.MIN_WORDS * 8:,}"
+    first, least = f"{_group.INITIAL_WORDS * 8:,}", f"{_group.MIN_WORDS * 8:,}"
     docs = Path(__file__).resolve().parents[1] / "docs"
     for page in ("scale.rst", "how_the_sync_works.rst"):
         text = " ".join((docs / page).read_text().split())
@@ -483,11 +475,9 @@ def test_docs_state_the_record_lengths_that_travel():
     ],
 )
 def test_inline_data_is_the_tensor_in_row_major_order(tensor):
-    from torchmetrics_varlen import _protocol
-
-    record = _protocol.describe([tensor], 1, "inline", inline=True)
-    assert record[_protocol.H_FLAGS] & _protocol.FLAG_INLINE
-    data = torch.tensor(record[_protocol.record_words(1) :], dtype=torch.int64).view(torch.uint8)
+    record = describe([tensor], 1, "inline", inline=True)
+    assert record[_record.H_FLAGS] & _record.FLAG_INLINE
+    data = torch.tensor(record[_record.record_words(1) :], dtype=torch.int64).view(torch.uint8)
     expected = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     assert torch.equal(data[: expected.numel()], expected)
     assert not data[expected.numel() :].any()  # the padding to 16 bytes is zeros
@@ -502,20 +492,26 @@ def test_inline_data_is_the_tensor_in_row_major_order(tensor):
     ],
 )
 def test_inline_results_are_every_ranks_states_stacked(dtypes):
-    from torchmetrics_varlen import _buffers, _protocol
+    from torchmetrics_varlen._sync import unpack
 
     shapes = [(), (3,), (2, 2), (1,)]
     ranks = [
         [(torch.arange(math.prod(s)) * (rank + 1) - 2).reshape(s).to(d) for s, d in zip(shapes, dtypes)]
         for rank in range(3)
     ]
-    records = [_protocol.describe(entries, 5, "inline", inline=True) for entries in ranks]
+    records = [describe(entries, 5, "inline", inline=True) for entries in ranks]
     words = max(map(len, records)) + 6  # the group's agreed length: zeros after each record
     table = torch.tensor([record + [0] * (words - len(record)) for record in records])
     plan = _plan.make_plan(table, "inline")
     assert plan.inline
-    meta_words = _protocol.record_words(len(dtypes))
-    results = _buffers.unpack_inline(table, meta_words, plan)
+    meta_words = _record.record_words(len(dtypes))
+    rows = table[:, meta_words:].contiguous().view(torch.uint8)  # every rank's data bytes, after header and slots
+    blocks = unpack.unpack_inline(rows, plan)  # one [world_size, elements] block per dense group (one per dtype)
+    for group, block in blocks:
+        expected = torch.stack([torch.cat([entries[i].reshape(-1) for i in group.indices]) for entries in ranks])
+        assert block.dtype == expected.dtype and torch.equal(block, expected), (group, block)
+    assert sorted(i for group, _ in blocks for i in group.indices) == list(range(len(dtypes)))
+    results = unpack.stacked(plan, blocks)
     for index, result in enumerate(results):
         expected = torch.stack([entries[index] for entries in ranks])
         assert result.tensor.dtype == expected.dtype and torch.equal(result.tensor, expected), (index, result)

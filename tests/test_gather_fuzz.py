@@ -415,22 +415,35 @@ def test_fuzz_checker_is_exact_and_deterministic():
 
 
 def test_plan_cache_reuses_equal_tables_only():
-    # In-process: the plan of a repeated table is reused; another table gets its own; a table that raises is never
-    # cached. (The distributed tests above run every sync through the cache.)
-    from torchmetrics_varlen import _plan, _protocol
+    # In-process: the group's plan cache (GroupState.plans, keyed by every rank's headers and slots) gives a repeated
+    # table its plan again, also when the data riding in the records differs; another table, or the same table synced
+    # another way, gets its own; a table that raises is never cached. (The distributed tests above run every sync
+    # through the cache.)
+    from _helpers import describe, group_state
 
-    def table(*sizes):
-        records = torch.tensor([_protocol.describe([torch.ones(size)], 7, "t") for size in sizes])
-        return records, bytes(str(records.tolist()), "utf8")  # any digest that tells tables apart
+    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen._sync.group import Facts, Link, decide
 
-    (uneven, uneven_key), (even, even_key) = table(3, 5), table(4, 4)
-    first = _plan.make_plan(uneven, "t", digest=uneven_key)
-    assert _plan.make_plan(uneven, "t", digest=uneven_key) is first
-    other = _plan.make_plan(even, "t", digest=even_key)
+    cpu = torch.device("cpu")
+    state = group_state(None, "gloo")  # a group's state, as the registry makes it
+    link = Link(state, decide(Facts("gloo", cpu)), None, "t")
+    request = engine.Request([torch.ones(1)], 7, "t")  # the plan reads the request's ops, cat, dst and grad only
+
+    def table(*sizes, inline=False, fill=1.0):
+        rows = [describe([torch.full((size,), fill)], 7, "t", inline=inline) for size in sizes]
+        return torch.tensor(rows).numpy()
+
+    first = engine._plan(table(3, 5), request, link)
+    assert engine._plan(table(3, 5), request, link) is first and len(state.plans) == 1
+    other = engine._plan(table(4, 4), request, link)
     assert other is not first and other.entries[0].dense and not first.entries[0].dense
     assert first.nbytes.tolist() == [16, 32]  # 3 and 5 float32 elements, aligned to 16 bytes
-    bad = torch.tensor([_protocol.describe([torch.ones(2)], 7, "t"), _protocol.describe([torch.ones(2)], 8, "t")])
+    inline = engine._plan(table(2, 2, inline=True), request, link)
+    assert inline.inline and engine._plan(table(2, 2, inline=True, fill=5.0), request, link) is inline
+    joined = engine._plan(table(3, 5), engine.Request([torch.ones(1)], 7, "t", cat=[True]), link)
+    assert joined is not first and len(state.plans) == 4
+    bad = torch.tensor([describe([torch.ones(2)], 7, "t"), describe([torch.ones(2)], 8, "t")]).numpy()
     for _ in range(2):
         with pytest.raises(SyncMismatchError, match="syncing different things"):
-            _plan.make_plan(bad, "t", digest=b"bad")
-    assert not any(key[0] == b"bad" for key in _plan._PLANS)
+            engine._plan(bad, request, link)
+    assert len(state.plans) == 4

@@ -288,3 +288,46 @@ def test_hook_keeps_the_dtype_of_zero_length_items(world_size):
     for result in run_distributed(body_zero_length_items, world_size):
         for case, (got, expected) in result.items():
             assert got == expected, case
+
+
+# ----------------------------------------------------------------- dtypes a backend cannot move, conjugate views
+ROUTED_DTYPES = ["int16", "uint16", "uint32", "int8", "bool", "bfloat16"]
+
+
+def body_routed_dtypes_and_conjugates(rank, world_size):
+    """Large uneven states of every dtype take the per-rank route (128 KiB or more on gloo); conjugate views too."""
+    out = {}
+    for name in ROUTED_DTYPES:
+        dtype = getattr(torch, name)
+        mine = (torch.arange(70_000 + rank) % 120).to(dtype) if rank < 2 else torch.zeros(0, dtype=dtype)
+        out[name] = [piece.clone() for piece in gather_all_tensors(mine)]
+    gen = torch.Generator().manual_seed(rank)
+    for size in (20_000, 8):  # the per-rank route, and a small one that rides in the records
+        conj = torch.randn(size + rank, dtype=torch.complex64, generator=gen).conj()
+        out[f"conj{size}"] = [piece.resolve_conj().clone() for piece in gather_all_tensors(conj)]
+    neg = torch.randn(40_000 + rank, dtype=torch.complex128, generator=gen).conj().imag  # a negative-bit view
+    out["neg"] = [piece.resolve_neg().clone() for piece in gather_all_tensors(neg)]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_states_of_any_dtype_and_conjugate_views_take_the_per_rank_route(world_size):
+    # Before: int16, uint16 and uint32 states broadcast in their own dtype, which gloo (and NCCL) refuse, and every
+    # rank raised SyncPeerError as if a peer had crashed; a conjugate view raised on its own rank alone.
+    results = run_distributed(body_routed_dtypes_and_conjugates, world_size, deadline=90)
+    for name in ROUTED_DTYPES:
+        dtype = getattr(torch, name)
+        expected = [
+            (torch.arange(70_000 + r) % 120).to(dtype) if r < 2 else torch.zeros(0, dtype=dtype)
+            for r in range(world_size)
+        ]
+        for result in results:
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(result[name], expected)), name
+    for key in ("conj20000", "conj8", "neg"):
+        for rank, result in enumerate(results):
+            for source, piece in enumerate(result[key]):
+                assert torch.equal(piece, results[source][key][source]), (key, rank, source)
+    gen = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    for source in range(world_size):  # each rank's own piece is its values, conjugated
+        expected = torch.randn(20_000 + source, dtype=torch.complex64, generator=gen[source]).conj().resolve_conj()
+        assert torch.equal(results[0]["conj20000"][source], expected)

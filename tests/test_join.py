@@ -11,6 +11,7 @@ from conftest import run_distributed
 from torch.distributed.algorithms.join import Join
 
 from torchmetrics_varlen import Metric, gather_all_tensors, join
+from torchmetrics_varlen._sync.group import REGISTRY
 
 
 class BatchMSE(Metric):
@@ -72,7 +73,7 @@ def body_join_ddp_loss(rank, world_size):
     epoch = metric.compute()
     metric._forward_cache = None  # holds the last loss with its graph, which deepcopy refuses (stock behaviour)
     copied = metric.clone()  # a session holds a thread and a process group: the copy starts outside Join
-    assert copied._join_session is None and metric._join_group is not None
+    assert copied._tv_join is None and (world_size == 1 or REGISTRY.state(None).side is not None)
     torch.testing.assert_close(copied.compute(), epoch)
     return {"epoch": epoch, "expected": _single_process_mse(seen_preds, seen_target), "steps": len(step_values)}
 
@@ -150,11 +151,11 @@ def body_join_refuses_what_it_cannot_shadow(rank, world_size):
         messages["sync_grads"] = str(err)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     metric = BatchMSE()
-    # A plain Join runs DDP's hook before the metric's: refused on every rank, before any collective.
+    # A metric is no joinable of its own: a plain Join of it is refused on every rank, before any collective.
     try:
         with Join([model, metric]):
             pass
-    except ValueError as err:
+    except TypeError as err:
         messages["plain"] = str(err)
     try:
         with join(metric, model):  # roles, not positions: a model after the metrics is not a metric
@@ -163,14 +164,14 @@ def body_join_refuses_what_it_cannot_shadow(rank, world_size):
         messages["model_as_metric"] = str(err)
     # The refused joins left the metric as it was: per-step syncs on its own group, outside any Join.
     value = metric(torch.full((2,), float(rank)), torch.zeros(2))
-    return {"messages": messages, "join_active": metric._join_session is not None, "value": value.item()}
+    return {"messages": messages, "join_active": metric._tv_join is not None, "value": value.item()}
 
 
 def test_join_refuses_what_it_cannot_shadow_on_every_rank():
     for result in run_distributed(body_join_refuses_what_it_cannot_shadow, 2, deadline=60):
         assert "sync_grads" in result["messages"]["sync_grads"]
         assert "torchmetrics_varlen.join(ddp_model, metric" in result["messages"]["plain"]
-        assert "List the metrics first" in result["messages"]["plain"]
+        assert "BatchMSE" in result["messages"]["plain"]
         assert "DistributedDataParallel" in result["messages"]["model_as_metric"]
         assert result["join_active"] is False
         assert result["value"] == (0**2 + 0**2 + 1**2 + 1**2) / 4  # the global batch of both ranks
@@ -186,15 +187,14 @@ def body_join_body_raises(rank, world_size):
         pass
     # Outside the join again: the per-step sync must use the metric's own group, not the join group.
     value = metric(torch.full((3,), float(rank + 1)), torch.zeros(3))
-    active = metric._join_session is not None
-    return {"join_active": active, "enabled": metric._join_config.enable, "value": value.item()}
+    return {"join_active": metric._tv_join is not None, "value": value.item()}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_join_whose_body_raises_leaves_join_mode(world_size):
     expected = sum((r + 1) ** 2 for r in range(world_size)) / world_size  # every rank's batch holds rank + 1
     for result in run_distributed(body_join_body_raises, world_size, deadline=60):
-        assert result == {"join_active": False, "enabled": False, "value": expected}
+        assert result == {"join_active": False, "value": expected}
 
 
 def body_one_side_group_per_process_group(rank, world_size):
@@ -215,12 +215,8 @@ def body_one_side_group_per_process_group(rank, world_size):
                         metric(x[:, 0].double(), y)
     finally:
         dist.new_group = original
-    side = first._join_group
-    return {
-        "backends": calls,
-        "side": dist.get_backend(side),
-        "shared": second._join_group is side and third._join_group is side,
-    }
+    side = REGISTRY.state(None).side
+    return {"backends": calls, "side": dist.get_backend(side), "shared": side is not None}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -231,38 +227,43 @@ def test_one_gloo_side_group_per_process_group_made_once(world_size):
         assert result == {"backends": ["gloo"], "side": "gloo", "shared": True}
 
 
-def body_join_exchanges_take_sync_timeout(rank, world_size):
+def body_join_exchanges_and_their_timeouts(rank, world_size):
     import threading
 
-    import torchmetrics_varlen._engine as engine
+    from torchmetrics_varlen._sync import engine
 
-    original = engine.run
+    original = engine.sync
     seen = []
 
-    def recording(request):
+    def recording(request, link):
         # The shadow runs in the Join worker thread; the terminate record comes from the main thread's post hook.
         if threading.current_thread() is not threading.main_thread() or request.label == "Join.terminate":
-            seen.append((request.label, request.timeout))
-        return original(request)
+            seen.append((request.label, link.timeout))
+        elif request.label == "BatchMSE.step" and link.group is REGISTRY.state(None).side:
+            seen.append(("running", link.timeout))
+        return original(request, link)
 
-    engine.run = recording  # join.py looks it up at each call
+    engine.sync = recording  # looked up at each call
     try:
         metric = BatchMSE(sync_timeout=17)
         with join(metric):
             for x, y in _batches(rank, STEPS[world_size][rank]):
                 metric(x[:, 0].double(), y)
     finally:
-        engine.run = original
+        engine.sync = original
     return seen
 
 
-def test_shadow_and_terminate_exchanges_wait_at_most_sync_timeout():
-    # Rank 0 (10 steps) joins last and sends the terminate record; ranks 1 and 2 shadow its remaining steps.
-    seen = run_distributed(body_join_exchanges_take_sync_timeout, 3, deadline=60)
-    assert {label for label, _ in seen[0]} == {"Join.terminate"}
+def test_shadow_and_terminate_wait_for_the_group_and_running_ranks_for_sync_timeout():
+    # Rank 0 (10 steps) joins last and sends the terminate record; ranks 1 and 2 shadow its remaining steps. A
+    # worker waits for the running ranks' next step up to the group's own timeout (None): between two steps a
+    # running rank may be busy for long (a checkpoint). The running ranks' own step syncs wait `sync_timeout`.
+    seen = run_distributed(body_join_exchanges_and_their_timeouts, 3, deadline=60)
+    assert [label for label, _ in seen[0] if label != "running"] == ["Join.terminate"]
+    assert {timeout for label, timeout in seen[0] if label == "running"} == {17.0}
     assert {label for label, _ in seen[2]} == {"BatchMSE.step"} and len(seen[2]) == 10 + 1  # + the terminate
-    for per_rank in seen:
-        assert per_rank and {timeout for _, timeout in per_rank} == {17.0}
+    assert {timeout for _, timeout in seen[2]} == {None}
+    assert {timeout for label, timeout in seen[0] if label == "Join.terminate"} == {None}
 
 
 def _failing_empty_states(metric):
@@ -270,9 +271,9 @@ def _failing_empty_states(metric):
 
 
 def body_shadow_failure(rank, world_size, failing_rank):
-    shadow_module = sys.modules["torchmetrics_varlen._join_shadow"]
+    shadow_module = sys.modules["torchmetrics_varlen.join"]
     if rank == failing_rank:
-        shadow_module.cpu_defaults = _failing_empty_states  # this process only: a fresh pool, closed afterwards
+        shadow_module._cpu_defaults = _failing_empty_states  # this process only: a fresh pool, closed afterwards
     metric = BatchMSE(sync_timeout=30)
     try:
         with join(metric):
@@ -309,10 +310,10 @@ _REAL_TERMINATE = None
 
 def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
     global _REAL_TERMINATE
-    join_module = sys.modules["torchmetrics_varlen._join_shadow"]
-    _REAL_TERMINATE = join_module.exchange_terminate
+    join_module = sys.modules["torchmetrics_varlen.join"]
+    _REAL_TERMINATE = join_module._terminate
     last_joiner = 0  # 10 steps, the most: it never shadows, it sends the terminate record
-    join_module.exchange_terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
+    join_module._terminate = _terminate_then_fail if rank == last_joiner else _REAL_TERMINATE
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
@@ -329,7 +330,7 @@ def body_failing_post_hook_keeps_ddp_final_sync(rank, world_size):
         except RuntimeError as err:
             outcome = str(err)
     finally:
-        join_module.exchange_terminate = _REAL_TERMINATE
+        join_module._terminate = _REAL_TERMINATE
     # DDP's final model broadcast ran on every rank: the parameters agree.
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"outcome": outcome, "weights": torch.cat(gather_all_tensors(weights)).view(world_size, -1)}
@@ -345,18 +346,19 @@ def test_a_failing_metric_hook_does_not_skip_ddp_final_sync(world_size):
             torch.testing.assert_close(row, results[0]["weights"][0])
 
 
-def body_join_config_is_joinable(rank, world_size):
-    metric = BatchMSE()
-    return {
-        "device": str(metric.join_device),
-        "group_is_world": metric.join_process_group is dist.group.WORLD,
-        "enabled": metric._join_config.enable,
-    }
+def body_a_plain_join_of_a_metric(rank, world_size):
+    try:
+        with Join([BatchMSE()]):
+            pass
+    except TypeError as err:
+        return str(err)
+    return "no error"
 
 
-def test_metric_is_a_joinable_with_a_disabled_config_outside_join():
-    for result in run_distributed(body_join_config_is_joinable, 2):
-        assert result == {"device": "cpu", "group_is_world": True, "enabled": False}
+def test_a_plain_join_of_a_metric_says_what_to_use():
+    # The metric is no joinable of its own (`join` wraps the metrics): a plain Join raises at once, on every rank.
+    for message in run_distributed(body_a_plain_join_of_a_metric, 2):
+        assert "torchmetrics_varlen.join(ddp_model, metric)" in message, message
 
 
 def body_no_process_group_outlives_destroy(rank, world_size):
@@ -368,12 +370,12 @@ def body_no_process_group_outlives_destroy(rank, world_size):
         for x, y in _batches(rank, STEPS[world_size][rank]):
             metric(x[:, 0].double(), y)
     metric.compute()
-    world, side = weakref.ref(dist.group.WORLD), weakref.ref(metric._join_group)
+    world, side = weakref.ref(dist.group.WORLD), weakref.ref(REGISTRY.state(None).side)
     dist.destroy_process_group()
     gc.collect()
     # The metric is still alive: it must not keep either group alive (a gloo group destroyed during interpreter
     # shutdown, when a metric in a reference cycle is finally collected, can abort the process).
-    return {"world": world() is None, "side": side() is None, "metric_group": metric._join_group is None}
+    return {"world": world() is None, "side": side() is None, "metric_group": metric._tv_join is None}
 
 
 def test_no_process_group_outlives_destroy_process_group():
@@ -419,21 +421,21 @@ class GuardedSum(Metric):
 
 
 def body_shadow_sees_only_cpu_tensors(rank, world_size):
-    import torchmetrics_varlen._engine as engine
+    from torchmetrics_varlen._sync import engine
 
     MainThreadOnly.body_thread = threading.current_thread()
     MainThreadOnly.touched = []
-    original = engine.run
+    original = engine.sync
     handed = []
 
-    def recording(request):
+    def recording(request, link):
         if threading.current_thread() is not MainThreadOnly.body_thread:  # the shadow
             for entry in request.entries:
                 for tensor in entry if isinstance(entry, list) else [entry]:
                     handed.append((type(tensor).__name__, str(tensor.device)))
-        return original(request)
+        return original(request, link)
 
-    engine.run = recording
+    engine.sync = recording
     try:
         metric = GuardedSum()
         steps = STEPS[world_size][rank]
@@ -443,7 +445,7 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
                 values.append(float(metric(torch.full((2,), float(rank + step), dtype=torch.float64))))
         epoch = float(metric.compute())
     finally:
-        engine.run = original
+        engine.sync = original
     # Truth: at step s, every rank that still has a step s adds 2 * (rank + s).
     expected = [sum(2.0 * (r + s) for r in range(world_size) if s < STEPS[world_size][r]) for s in range(steps)]
     total = sum(2.0 * (r + s) for r in range(world_size) for s in range(STEPS[world_size][r]))
@@ -469,17 +471,17 @@ UNEVEN = {2: [6, 4], 3: [6, 4, 5]}
 
 
 def body_step_syncs_switch_groups_together(rank, world_size, with_model):
-    import torchmetrics_varlen._engine as engine
+    from torchmetrics_varlen._sync import engine
 
-    original = engine.run
+    original = engine.sync
     groups = []
 
-    def recording(request):
+    def recording(request, link):
         if threading.current_thread() is threading.main_thread() and request.label == "BatchMSE.step":
-            groups.append(request.group)
-        return original(request)
+            groups.append(link.group)
+        return original(request, link)
 
-    engine.run = recording
+    engine.sync = recording
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double()) if with_model else None
@@ -497,9 +499,9 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
                 seen_target.append(y.double())
         epoch = metric.compute()
     finally:
-        engine.run = original
-    side = metric._join_group
-    where = ["side" if group is side else "own" if group is None else "other" for group in groups]
+        engine.sync = original
+    side = REGISTRY.state(None).side
+    where = ["side" if group is side else "own" if group is dist.group.WORLD else "other" for group in groups]
     return {"where": where, "values": values, "epoch": epoch, "expected": _single_process_mse(seen_preds, seen_target)}
 
 
@@ -570,52 +572,6 @@ def test_metrics_synced_in_a_changing_order_stay_exact(world_size):
         large_calls = torch.cat([v for d in data for s, v in enumerate(d) for _ in range(1 if s % 2 == 0 else 2)])
         torch.testing.assert_close(result["small"], torch.bincount(everything, minlength=3).double())
         torch.testing.assert_close(result["large"], torch.bincount(large_calls, minlength=5).double())
-
-
-# ------------------------------------------------------------------------------------------------ plain Join
-def body_plain_join(rank, world_size, with_model):
-    torch.manual_seed(0)
-    metric = BatchMSE()
-    seen_preds, seen_target = [], []
-    if with_model:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        joinables = [metric, model]  # the metrics first: their hook starts the shadow before DDP's blocks
-    else:
-        joinables = [metric]
-    with Join(joinables):
-        for x, y in _batches(rank, STEPS[world_size][rank], seed=4):
-            preds = model(x.double()).squeeze(-1) if with_model else x[:, 0].double()
-            loss = metric(preds, y)
-            if with_model:
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            seen_preds.append(preds.detach())
-            seen_target.append(y.double())
-    expected = _single_process_mse(seen_preds, seen_target)
-    weights = None
-    if with_model:
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        weights = torch.cat(gather_all_tensors(flat)).view(world_size, -1)
-    return {
-        "epoch": metric.compute(),
-        "expected": expected,
-        "weights": weights,
-        "left": metric._join_session is None and not metric._join_config.enable,
-    }
-
-
-@pytest.mark.parametrize("with_model", [False, True])
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_a_plain_join_with_the_metrics_first_is_exact(world_size, with_model):
-    # Torch's own Joinable contract: Join([metric]) or Join([metric, ddp_model]) cannot deadlock, so both work.
-    for result in run_distributed(body_plain_join, world_size, with_model=with_model, deadline=60):
-        torch.testing.assert_close(result["epoch"], result["expected"])
-        assert result["left"]
-        if with_model:  # DDP's final model broadcast ran on every rank
-            for row in result["weights"]:
-                torch.testing.assert_close(row, result["weights"][0])
 
 
 # ------------------------------------------------------------------------- the GPU check's Join scenarios, on gloo
@@ -707,18 +663,18 @@ def body_side_groups_of_disjoint_subgroups(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     import torchmetrics_varlen as tv
-    from torchmetrics_varlen import _join_shadow
-    from torchmetrics_varlen._waits import group_timeout
+    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen._sync.group import group_timeout, link
 
     if rank == 0:
-        # A group only rank 0 knows: rank 0 now knows one group more than rank 2, its peer in "dp" below, and torch
-        # names a locally synchronised group after the number of groups the process knows.
+        # A group only rank 0 knows: rank 0 now knows one group more than rank 2, its peer in "dp" below (torch
+        # 2.13 names a locally synchronised group after the number of groups the process knows).
         dist.new_group([0], backend="gloo", use_local_synchronization=True)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
     for dim in ("dp", "tp"):  # "dp": {0, 2} and {1, 3}; then "tp": {0, 1} and {2, 3}, each pair at once
         group = tv.mesh_group(mesh, dim)
-        side = _join_shadow.side_group(group, torch.device("cpu"))
+        side = engine.side_link(link(group, torch.device("cpu"), None, "test"), None).group
         total = torch.tensor([rank + 1])
         dist.all_reduce(total, group=side)
         out[dim] = {
@@ -727,7 +683,7 @@ def body_side_groups_of_disjoint_subgroups(rank, world_size):
             "backend": dist.get_backend(side),
             "timeout": group_timeout(side, "cpu") == group_timeout(group, "cpu"),
             "name": side.group_name,
-            "cached": _join_shadow.side_group(group, torch.device("cpu")) is side,
+            "cached": engine.side_link(link(group, torch.device("cpu"), None, "test"), None).group is side,
         }
     return out
 
@@ -742,3 +698,36 @@ def test_side_groups_of_disjoint_subgroups_made_at_once():
             peer = results[members[0] if members[0] != rank else members[1]][dim]
             assert got["name"] == peer["name"], (rank, dim)  # the peers made one group
     assert results[0]["dp"]["name"] != results[1]["dp"]["name"]
+
+
+def body_join_after_a_group_of_some_ranks(rank, world_size):
+    # Issue 43 item 7: every rank enters a plain `new_group([0, 1])` (torch 2.15 then counts one more group on every
+    # rank, members or not), then the dp groups [0, 2] and [1, 3]; a per-step metric on the dp group inside `join`.
+    import torchmetrics_varlen as tv
+
+    dist.new_group([0, 1], backend="gloo")
+    dp = [dist.new_group(ranks, backend="gloo") for ranks in ([0, 2], [1, 3])][rank % 2]
+    metric = BatchMSE(process_group=dp)
+    steps = [5, 3, 2, 6][rank]
+    values = []
+    with tv.join(metric):
+        for x, y in _batches(rank, steps, seed=40):
+            values.append(metric(x[:, 0].double(), y))
+    return {"ranks": dist.get_process_group_ranks(dp), "values": values, "epoch": metric.compute()}
+
+
+def test_join_on_subgroups_after_a_group_of_some_ranks():
+    # Hung on torch 2.15, whose group names count every plain `new_group` a rank entered: the side groups are made
+    # by documented calls that every rank enters, whatever torch's naming.
+    results = run_distributed(body_join_after_a_group_of_some_ranks, 4, deadline=90, fresh=True)
+    steps = [5, 3, 2, 6]
+    for rank, result in enumerate(results):
+        members = [_batches(r, steps[r], seed=40) for r in result["ranks"]]
+        assert len(result["values"]) == steps[rank]
+        for step, value in enumerate(result["values"]):
+            xs = torch.cat([b[step][0][:, 0] for b in members if step < len(b)]).double()
+            ys = torch.cat([b[step][1] for b in members if step < len(b)]).double()
+            torch.testing.assert_close(value, ((xs - ys) ** 2).mean())
+        xs = torch.cat([x[:, 0] for b in members for x, _ in b]).double()
+        ys = torch.cat([y for b in members for _, y in b]).double()
+        torch.testing.assert_close(result["epoch"], ((xs - ys) ** 2).mean())

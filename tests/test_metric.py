@@ -4,11 +4,12 @@ import pytest
 import torch
 from _helpers import assert_same, count_collectives, outcome, quiet_compute, split
 from conftest import run_distributed
+from torchmetrics.aggregation import SumMetric
 from torchmetrics.classification import BinaryAUROC, MulticlassAUROC
 from torchmetrics.regression import MeanSquaredError
 from torchmetrics.utilities import dim_zero_cat
 
-from torchmetrics_varlen import Metric, SyncMismatchError, SyncTimeoutError, rebase
+from torchmetrics_varlen import Metric, SyncMismatchError, rebase
 
 
 def product_reduce(stacked):
@@ -201,37 +202,41 @@ def test_manual_sync_holds_and_never_doubles(world_size):
         torch.testing.assert_close(r["compute_while_synced"], r["expected_global"])
         torch.testing.assert_close(r["restored_total"], r["local_total"])
         torch.testing.assert_close(r["compute_after_unsync"], r["expected_global"])
-        assert r["after_cached_compute"] == 1  # a valid cache is local, as with stock: no collective at all
+        # Every rank says its cache is valid: the records are all that move (stock: none; issue 43 item 1).
+        assert r["after_cached_compute"] == 2
         assert r["after_failed_context_synced"] is False
         torch.testing.assert_close(r["after_failed_context_total"], r["local_total"])
 
 
-def body_stale_cache(rank, world_size):
-    metric = SumOfSquares(sync_timeout=2)
-    metric.update(torch.ones(rank + 1))
-    first = metric.compute()
-    stale = rank == world_size - 1
-    if stale:
-        metric.update(torch.ones(3))  # only the last rank's cache goes stale
-    with count_collectives() as counts:
-        try:
-            second, error = metric.compute(), None
-        except SyncTimeoutError as err:
-            second, error = None, str(err)
-    return {"first": first, "second": second, "error": error, "calls": sum(counts.values()), "stale": stale}
+ROUNDS = [  # per rank, what it adds before each compute(); None: no batch that round (issue 43 item 1's example)
+    [1, 2, 4, 8, 16, 32, None],
+    [10, None, 40, None, None, 320, None],
+    [None, 5, None, 7, None, 9, None],
+]
+
+
+def body_running_metric_with_empty_rounds(rank, world_size):
+    metric = rebase(SumMetric)(sync_timeout=20)
+    got, calls = [], []
+    for value in ROUNDS[rank]:
+        if value is not None:
+            metric.update(torch.tensor(float(value)))
+        with count_collectives() as counts:
+            got.append(metric.compute().item())
+        calls.append(sum(counts.values()))
+    return got, calls
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_valid_cache_is_local_and_a_stale_one_times_out_naming_the_case(world_size):
-    # Stock returns a valid cached result at once (so `compute()` on rank 0 only after every rank computed works);
-    # a rank whose cache alone went stale syncs alone: a SyncTimeoutError that says so, where stock would hang.
-    expected_first = sum(r + 1 for r in range(world_size))
-    for r in run_distributed(body_stale_cache, world_size, deadline=60, fresh=True):
-        assert r["first"].item() == expected_first
-        if r["stale"]:
-            assert r["second"] is None and "their cached value" in r["error"], r["error"]
-        else:
-            assert r["second"].item() == expected_first and r["calls"] == 0 and r["error"] is None
+def test_a_rank_without_a_batch_still_gets_the_value_of_the_round(world_size):
+    # Before: a rank without a batch returned its cached value without syncing, so its peers' sync paired with its
+    # next round: 11, 53 (truth 13) on one rank, 11, 11, 53 on the other, then a timeout. Now every rank takes part
+    # in every round; where no rank updated anything, only the records move.
+    added = [sum(ROUNDS[r][k] or 0 for r in range(world_size)) for k in range(len(ROUNDS[0]))]
+    truth = [float(sum(added[: k + 1])) for k in range(len(added))]
+    for got, calls in run_distributed(body_running_metric_with_empty_rounds, world_size, deadline=60):
+        assert got == truth
+        assert calls == [1] * len(truth)  # one small state: the records carry it, or say every cache is valid
 
 
 class GlobalBatchMean(Metric):

@@ -3,9 +3,13 @@ from made-up facts."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from _helpers import MadeUpGroup, group_state
 
-from torchmetrics_varlen import _policy, _transport, _waits
-from torchmetrics_varlen._policy import Facts, decide
+from torchmetrics_varlen._sync import comm as _transport
+from torchmetrics_varlen._sync import group as _policy
+from torchmetrics_varlen._sync import wait as _waits
+from torchmetrics_varlen._sync.group import Facts, decide
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 NAMES = ["nccl", "nccl2", "nccl-lazy", "nccl-legacy"]
@@ -25,27 +29,26 @@ def test_every_nccl_name_gets_the_nccl_policy(name, mixed):
     assert (got.wait, got.grad_wait, got.grouped_broadcasts, got.point_to_point) == ("poll", "stream", True, False)
     assert got.broadcast_min == _policy.BROADCAST_MIN_BYTES["nccl"] == reference.broadcast_min
     assert _policy.wait_mode(backend, "cuda") == "poll"
-    assert _waits.fallback_timeout(backend, "cuda") == 600.0
+    assert _policy.fallback_timeout(backend, "cuda") == 600.0
     if mixed:  # its CPU entry stays gloo's
         assert _policy.wait_mode(backend, "cpu") == "block"
-        assert _waits.fallback_timeout(backend, "cpu") == 1800.0
+        assert _policy.fallback_timeout(backend, "cpu") == 1800.0
+
+
+def _state(backend, pg=None):
+    """A group's state as the registry makes it (rank 1 of 2), for a made-up group and backend."""
+    return group_state(pg, backend, rank=1)
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_policy_for_reads_the_bound_and_current_device_on_every_nccl_name(monkeypatch, name):
-    class Group:
-        bound_device_id = None
-
-    monkeypatch.setattr(_policy, "backend_of", lambda group: name)
+def test_the_group_policy_reads_the_bound_and_current_device_on_every_nccl_name(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert _policy.policy_for(Group(), CPU).device == CUDA1
+    assert _state(name, MadeUpGroup(bound=None)).policy(CPU, None).device == CUDA1
 
 
-def test_a_timeout_on_nccl2_says_the_watchdog_ends_the_process(monkeypatch):
+def test_a_timeout_on_nccl2_says_the_watchdog_ends_the_process():
     limits = _waits.limits_for(None, 600.0, "poll")
-    monkeypatch.setattr(_waits.dist, "get_rank", lambda group=None: 1)
-    monkeypatch.setattr(_waits._policy, "backend_of", lambda group: "nccl2")
-    message = _waits._timeout_message("sync of X", 590.0, "`sync_timeout`", limits, None)
+    message = _waits._timeout_message("sync of X", 590.0, "`sync_timeout`", None, _state("nccl2"), limits)
     assert "the watchdog may end this process" in message
 
 
@@ -76,44 +79,55 @@ class _RefusedError(RuntimeError):
     pass
 
 
-def _refuse(output, local, group):
+def _refuse(output, local, group=None, async_op=False):
     raise _RefusedError("NCCL error: invalid usage\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on")
+
+
+def _collective(monkeypatch, fn):
+    """``fn`` as every all-gather ``comm.gather_equal`` may start (no process group, no GPU here)."""
+    monkeypatch.setattr(dist, "all_gather_single", fn, raising=False)
+    monkeypatch.setattr(dist, "all_gather_into_tensor", fn)
 
 
 def test_the_hint_rides_on_nccls_own_error(monkeypatch):
     # What the user sees when NCCL refuses two ranks on one GPU at the first collective: NCCL's error, with the fix.
-    monkeypatch.setattr(_policy, "backend_of", lambda group: "nccl")
-    monkeypatch.setattr(_policy, "bound_device", lambda group: None)
+    _collective(monkeypatch, _refuse)
+    monkeypatch.setattr(_transport, "bound_device", lambda group: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "1")
     output = torch.empty(0, dtype=torch.int64, device="meta")  # any tensor: only its device is read
-    monkeypatch.setattr(_policy, "shared_gpu_hint_for", _with_device(_policy.shared_gpu_hint_for, CUDA0))
+    monkeypatch.setattr(_transport, "_shared_gpu_hint", _with_device(_transport._shared_gpu_hint, CUDA0))
     with pytest.raises(_RefusedError, match=r"(?s)Duplicate GPU.*torch\.cuda\.set_device\(1\)") as raised:
-        _transport._start_with_hint(_refuse, output, output, None)
+        _transport.gather_equal(output, output, None, "nccl")
     assert isinstance(raised.value.__cause__, _RefusedError)
     monkeypatch.setenv("LOCAL_RANK", "0")  # no fact points to it, NCCL's message does: the generic fix
     with pytest.raises(_RefusedError, match=r"set_device\(local_rank\)"):
-        _transport._start_with_hint(_refuse, output, output, None)
+        _transport.gather_equal(output, output, None, "nccl")
 
 
 def test_other_errors_pass_unchanged(monkeypatch):
-    monkeypatch.setattr(_policy, "backend_of", lambda group: "gloo")
-
-    def fail(output, local, group):
+    def fail(output, local, group=None, async_op=False):
         raise _RefusedError("something else")
 
+    _collective(monkeypatch, fail)
     with pytest.raises(_RefusedError, match=r"^something else$"):
-        _transport._start_with_hint(fail, torch.empty(0), torch.empty(0), None)
+        _transport.gather_equal(torch.empty(0), torch.empty(0), None, "gloo")
+    # Nor on a CUDA device whose group no fact points to: NCCL's refusal alone carries the fix.
+    monkeypatch.setattr(_transport, "_shared_gpu_hint", _with_device(_transport._shared_gpu_hint, CUDA0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(_RefusedError, match=r"^something else$"):
+        _transport.gather_equal(torch.empty(0), torch.empty(0), None, "gloo")
 
 
 def _with_device(fn, device):
     """``fn`` told that the buffers are on ``device`` (no GPU here to put a tensor on)."""
-    return lambda group, _device, error: fn(group, device, error)
+    return lambda group, backend, _device, error: fn(group, backend, device, error)
 
 
-def test_nccls_refusal_from_a_work_names_the_fix_too(monkeypatch):
+def test_nccls_refusal_from_a_work_names_the_fix_too():
     # Where NCCL's refusal comes from the work instead (a communicator created without blocking), SyncPeerError.
-    monkeypatch.setattr(_waits.dist, "get_rank", lambda group=None: 1)
-    message = _waits._peer_message("sync of X", None, "NCCL error: invalid usage\nDuplicate GPU detected : rank 1")
+    state = _state("nccl")
+    message = _waits._peer_message("sync of X", state, "NCCL error: invalid usage\nDuplicate GPU detected : rank 1")
     assert "torch.cuda.set_device(local_rank)" in message and "device_id=" in message
-    assert "set_device" not in _waits._peer_message("sync of X", None, "Connection closed by peer")
+    assert "set_device" not in _waits._peer_message("sync of X", state, "Connection closed by peer")

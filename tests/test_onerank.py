@@ -176,7 +176,8 @@ def body_cache_errors_and_options(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_cache_errors_and_options(world_size):
     for rank, report in enumerate(run_distributed(body_cache_errors_and_options, world_size)):
-        assert report["cached"] == (True, 0)  # a valid cache is local: no collective
+        # Every rank says its cache is valid: the records are all that move (issue 43 item 1; stock: none).
+        assert report["cached"] == (True, 1)
         assert report["error"] == f"too many samples: {2 * world_size}"
         assert report["after"] == world_size
         assert report["bad_dst"] == "ValueError"
@@ -228,3 +229,38 @@ def test_measure_sync_memory(world_size):
         assert non_dst < report["all_gather"]["max_non_dst_peak_rss_growth_bytes"] / 4
     with pytest.raises(ValueError, match="`world_size`"):
         measure_sync_memory(1, 10)
+
+
+class _ComplexCat(Metric):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("values", default=[], dist_reduce_fx="cat")
+
+    def update(self, x):
+        self.values.append(x)
+
+    def compute(self):
+        return dim_zero_cat(self.values)
+
+
+def body_conjugate_and_int16_to_one_rank(rank, world_size):
+    gen = torch.Generator().manual_seed(rank)
+    conj = _ComplexCat()
+    conj.update(torch.randn(30_000 + rank, dtype=torch.complex64, generator=gen).conj())  # routed: large
+    small = _ComplexCat()
+    small.update(torch.randn(3, dtype=torch.complex64, generator=gen).conj())
+    ints = _ComplexCat()
+    ints.update((torch.arange(100_000 + rank) % 300).to(torch.int16))
+    return [compute_on_rank(metric, dst=world_size - 1) for metric in (conj, small, ints)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_conjugate_views_and_int16_states_move_to_one_rank(world_size):
+    # Issue 43 items 3 and 4 on the one-rank route: the bytes move, whatever the dtype or the view's bits.
+    gens = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    conj = torch.cat([torch.randn(30_000 + r, dtype=torch.complex64, generator=g).conj() for r, g in enumerate(gens)])
+    small = torch.cat([torch.randn(3, dtype=torch.complex64, generator=g).conj() for g in gens])
+    ints = torch.cat([(torch.arange(100_000 + r) % 300).to(torch.int16) for r in range(world_size)])
+    for got in run_distributed(body_conjugate_and_int16_to_one_rank, world_size, deadline=90):
+        for value, expected in zip(got, (conj, small, ints)):
+            assert value.dtype == expected.dtype and torch.equal(value.resolve_conj(), expected.resolve_conj())

@@ -9,11 +9,13 @@ import random
 
 import pytest
 import torch
+from _helpers import describe
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen import _buffers, _plan, _protocol, _rows
-from torchmetrics_varlen._buffers import Joined, Stacked
-from torchmetrics_varlen._protocol import Ref
+from torchmetrics_varlen._sync import pack, record, unpack
+from torchmetrics_varlen._sync.pack import Joined, Stacked
+from torchmetrics_varlen._sync.plan import make_plan
+from torchmetrics_varlen._sync.record import Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 
 CPU = torch.device("cpu")
@@ -23,11 +25,15 @@ CAT = [True, True, True, True, False, True, True, True, True, False, False, Fals
 
 def _sync(per_rank, cat):
     """What every rank gets back from a gathered sync of ``per_rank``: the plan and the unpacked results."""
-    table = torch.tensor([_protocol.describe(entries, 3, "t") for entries in per_rank])
-    plan = _plan.make_plan(table, "t", reduce="never", cat=cat)
-    packed = [_buffers.pack(entries, plan, rank, CPU).clone() for rank, entries in enumerate(per_rank)]
+    table = torch.tensor([describe(entries, 3, "t") for entries in per_rank])
+    plan = make_plan(table, "t", reduce="never", cat=cat)
+    # Each rank packs into a send buffer of the transfer size, its padding filled with junk that must never escape.
+    packed = [
+        pack.pack(entries, plan, rank, torch.full((plan.max_bytes,), 0xA5, dtype=torch.uint8))
+        for rank, entries in enumerate(per_rank)
+    ]
     rows = torch.stack(packed) if plan.max_bytes else None
-    return plan, _buffers.unpack(rows, plan, [CPU] * len(cat), cat)
+    return plan, unpack.unpack(rows, plan, [CPU] * len(cat), cat)
 
 
 def _entries(rank):
@@ -59,11 +65,11 @@ def _entries(rank):
 @pytest.mark.parametrize("world", [2, 5, 17, 100])
 def test_unpacked_entries_equal_the_ranks_entries(world, index, monkeypatch):
     if index in ("int32", "int64"):
-        monkeypatch.setattr(_rows, "SLICE_MAX_SECTIONS", 0)  # the element index, however few the sections
+        monkeypatch.setattr(unpack, "SLICE_MAX_SECTIONS", 0)  # the element index, however few the sections
     if index == "int64":
-        monkeypatch.setattr(_rows, "INDEX32_ELEMENTS", 0)  # the wide element index of very large buffers
+        monkeypatch.setattr(unpack, "INDEX32_ELEMENTS", 0)  # the wide element index of very large buffers
     if index == "sections":
-        monkeypatch.setattr(_rows, "SLICE_MIN_AVERAGE", 0)  # the section-by-section cut of large sections
+        monkeypatch.setattr(unpack, "SLICE_MIN_AVERAGE", 0)  # the section-by-section cut of large sections
     per_rank = [_entries(rank) for rank in range(world)]
     _, results = _sync(per_rank, CAT)
 
@@ -167,9 +173,9 @@ ERROR_CASES = {
 def test_first_offending_entry_is_reported(case, world):
     usual, last, message = ERROR_CASES[case]
     per_rank = _last_rank_differs(world, usual, last)
-    table = torch.tensor([_protocol.describe(entries, 3, "t") for entries in per_rank])
+    table = torch.tensor([describe(entries, 3, "t") for entries in per_rank])
     with pytest.raises(SyncMismatchError) as info:
-        _plan.make_plan(table, "t", cat=[True] * len(per_rank[0]))
+        make_plan(table, "t", cat=[True] * len(per_rank[0]))
     lines = str(info.value).split("\n")
     assert lines[0] == message
     if "refers to" not in message:  # the other messages list what every rank held: shape (or joined shape), dtype
@@ -191,7 +197,7 @@ LIST_PROBLEMS = {
     "an item that is no tensor": ([torch.ones(2), [torch.ones(1), 3.0]], "a list state holding something that is not"),
     "items of two dtypes": ([torch.ones(2), [torch.ones(1), torch.ones(2, dtype=torch.int64)]], "different dtypes"),
     "a sparse item": ([torch.ones(2), [torch.ones(2), torch.ones(2).to_sparse()]], "non-strided"),
-    "an item of too many dims": ([torch.ones(2), [torch.ones((1,) * (_protocol.MAX_NDIM + 1))]], "more than"),
+    "an item of too many dims": ([torch.ones(2), [torch.ones((1,) * (record.MAX_NDIM + 1))]], "more than"),
     "a state that is no tensor nor list": ([torch.ones(2), "text"], "not a tensor"),
 }
 
@@ -200,9 +206,9 @@ LIST_PROBLEMS = {
 def test_a_rank_whose_list_state_cannot_travel_is_named(case):
     last, words = LIST_PROBLEMS[case]
     per_rank = [[torch.ones(2), [torch.ones(3)]], [torch.ones(2), [torch.zeros(0), torch.ones(1)]], last]
-    table = torch.tensor([_protocol.describe(entries, 3, "t") for entries in per_rank])
+    table = torch.tensor([describe(entries, 3, "t") for entries in per_rank])
     with pytest.raises(SyncMismatchError, match="rank 2 holds") as raised:
-        _plan.make_plan(table, "t", reduce="never", cat=[False, True])
+        make_plan(table, "t", reduce="never", cat=[False, True])
     assert words in str(raised.value) and "in `entry 1`" in str(raised.value)
 
 
@@ -210,8 +216,8 @@ def test_the_record_of_a_list_state_counts_its_items_and_takes_the_dtype_of_its_
     # An empty first item does not set the dtype; a list of empty items only keeps its first item's.
     entries = [[torch.zeros(0), torch.ones(2, 3, dtype=torch.int32), torch.ones(1, 3, dtype=torch.int32)]]
     entries.append([torch.zeros(0, dtype=torch.float64)])
-    table = torch.tensor([_protocol.describe(entries, 3, "t")] * 2)
-    plan = _plan.make_plan(table, "t", reduce="never", cat=[True, True])
+    table = torch.tensor([describe(entries, 3, "t")] * 2)
+    plan = make_plan(table, "t", reduce="never", cat=[True, True])
     joined, empty = plan.entries
     assert joined.dtype == torch.int32 and joined.numels.tolist() == [9, 9] and joined.items.tolist() == [3, 3]
-    assert empty.dtype is None and _protocol.dtype_of(int(empty.dtype_codes[0])) == torch.float64
+    assert empty.dtype is None and record.dtype_of(int(empty.dtype_codes[0])) == torch.float64

@@ -1,13 +1,14 @@
 """The backend policy, forced on made-up backends and work objects: the logic NCCL would run, exercised without NCCL."""
 
-import threading
-
 import pytest
 import torch
+from _helpers import MadeUpGroup, forced_policy, group_state
+from conftest import run_distributed
 
-from torchmetrics_varlen import _policy, _waits
-from torchmetrics_varlen._policy import Facts, buffer_device, decide, wait_mode
-from torchmetrics_varlen._waits import PeerFailedError, wait_for
+from torchmetrics_varlen._sync import group as _policy
+from torchmetrics_varlen._sync import wait as _waits
+from torchmetrics_varlen._sync.group import Facts, buffer_device, decide, wait_mode
+from torchmetrics_varlen._sync.wait import PeerFailedError, wait_for
 
 CPU, CUDA0, CUDA1, CUDA2 = (torch.device("cpu"), *(torch.device("cuda", i) for i in range(3)))
 TWO = "cpu:gloo,cuda:nccl"
@@ -76,21 +77,17 @@ def test_differentiable_outputs_and_backward_wait(facts, grad_device, grad_wait)
     assert (policy.grad_device, policy.grad_wait) == (grad_device, grad_wait)
 
 
-class _Group:
-    """A made-up process group: what ``policy_for`` reads of one."""
-
-    def __init__(self, bound):
-        self.bound_device_id = bound
+def _state(pg, backend, rank=0):
+    """A group's state as the registry makes it, for a made-up group and backend (no process group needed)."""
+    return group_state(pg, backend, rank)
 
 
-def test_policy_for_reads_the_bound_device_of_the_group(monkeypatch):
-    monkeypatch.setattr(_policy, "backend_of", lambda group: "nccl")
+def test_the_group_policy_reads_the_bound_device_of_the_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # no set_device: 0 on every local rank
-    assert _policy.policy_for(_Group(CUDA2), CPU).device == CUDA2
-    assert _policy.policy_for(_Group(CUDA1), CUDA0, CUDA0).device == CUDA1
-    assert _policy.policy_for(_Group(None), CPU).device == CUDA0
-    monkeypatch.setattr(_policy, "backend_of", lambda group: "gloo")
-    assert _policy.policy_for(_Group(CUDA2), CPU).device == CPU  # gloo has no use for it
+    assert _state(MadeUpGroup(CUDA2), "nccl").policy(CPU, None).device == CUDA2
+    assert _state(MadeUpGroup(CUDA1), "nccl").policy(CUDA0, CUDA0).device == CUDA1
+    assert _state(MadeUpGroup(None), "nccl").policy(CPU, None).device == CUDA0
+    assert _state(MadeUpGroup(CUDA2), "gloo").policy(CPU, None).device == CPU  # gloo has no use for it
 
 
 def test_a_group_without_a_backend_is_served_by_its_device_map():
@@ -102,8 +99,8 @@ def test_a_group_without_a_backend_is_served_by_its_device_map():
     try:
         assert str(dist.get_backend()) == "undefined"
         expected = "cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
-        assert _policy.backend_of(None) == expected
-        assert _policy.bound_device(None) is None
+        assert _policy.backend_of(dist.group.WORLD) == expected
+        assert _policy.bound_device(dist.group.WORLD) is None
     finally:
         dist.destroy_process_group()
 
@@ -258,22 +255,37 @@ def test_blocking_wait_tells_an_expired_slice_from_a_failure():
     assert wait_for(CompletesAsItTimesOut(clock), 5.0, clock=clock, mode="block")
 
 
-def test_forced_policy_is_scoped_to_the_block():
-    with _policy.forced(backend="nccl", reduce="always") as policy:
-        assert _policy.policy_for(None, torch.device("cpu")) is policy
-    assert getattr(_policy._FORCED, "policy", None) is None
+def test_the_group_policy_is_decided_once_per_facts(monkeypatch):
+    # Every sync asks for its policy: GroupState.policy decides once per set of facts, and asks `decide` at call time
+    # (so a test's forced policy reaches it once the cache is cleared).
+    state, asked = _state(MadeUpGroup(None), "gloo"), []
+    monkeypatch.setattr(_policy, "decide", lambda facts: asked.append(facts) or decide(facts))
+    first = state.policy(CPU, None)
+    assert state.policy(CPU, None) is first and state.policy(CPU, CPU) == first and len(asked) == 2
+    assert first == decide(Facts("gloo", CPU))
+    monkeypatch.setenv(_policy.REDUCE_ENV, "never")  # a fact of its own: decided again
+    assert state.policy(CPU, None).reduce == "never" and len(asked) == 3
 
 
-def test_forced_policy_is_per_thread():
-    # Tests force a policy for the syncs of one thread: the Join worker thread, syncing meanwhile, keeps its own.
-    cpu = torch.device("cpu")
-    seen = []
-    with _policy.forced(backend="nccl") as policy:
-        worker = threading.Thread(target=lambda: seen.append(_policy._FORCED.policy))  # what policy_for reads first
-        worker.start()
-        worker.join()
-        assert _policy.policy_for(None, cpu) is policy
-    assert seen == [None] and _policy._FORCED.policy is None
+def body_forced_policy(rank, world_size):
+    from torchmetrics_varlen._sync.group import REGISTRY
+
+    state = REGISTRY.state(None)
+    before = state.policy(CPU, None)
+    with forced_policy(grouped_broadcasts=True, reduce="always") as policy:
+        inside = state.policy(CPU, None)
+    after = state.policy(CPU, None)
+    return before, policy, inside, after
+
+
+def test_the_forced_policy_fixture_is_scoped_to_the_block():
+    # The package has no forced-policy switch any more (tests/_helpers.forced_policy replaces `decide`): inside the
+    # block every sync of the group runs under the forced fields, after it under the decided policy again.
+    for before, policy, inside, after in run_distributed(body_forced_policy, 2):
+        assert (before.grouped_broadcasts, before.reduce) == (False, "auto")
+        assert inside is policy and (inside.grouped_broadcasts, inside.reduce) == (True, "always")
+        assert inside.backend == before.backend and inside.device == before.device  # the other fields: decided
+        assert after == before
 
 
 def test_reduce_mode_from_the_environment(monkeypatch):
@@ -289,7 +301,7 @@ def test_reduce_mode_from_the_environment(monkeypatch):
 def test_the_default_timeout_is_the_group_timeout_less_a_margin(wait):
     # NCCL's default group timeout is 10 minutes: our error must come before its watchdog ends the process.
     limits = _waits.limits_for(None, 600.0, wait)
-    assert limits.from_group and limits.ours == limits.bound == 590.0
+    assert limits.from_group and limits.ours == 590.0 and limits.group_s == 600.0
     assert _waits.limits_for(None, 4.0, wait).ours == 3.5  # a short group keeps at least half a second
 
 
@@ -297,7 +309,8 @@ def test_the_default_timeout_is_the_group_timeout_less_a_margin(wait):
 def test_a_sync_timeout_longer_than_the_group_timeout_is_capped(wait):
     assert _waits.limits_for(900.0, 600.0, wait).ours == 590.0
     shorter = _waits.limits_for(3.0, 600.0, wait)
-    assert shorter.ours == 3.0 and not shorter.from_group and shorter.bound == 590.0  # busy peers: up to the bound
+    # (The old `bound` field, how long busy peers could extend a wait, went with the busy notes.)
+    assert shorter.ours == 3.0 and not shorter.from_group and shorter.group_s == 600.0
 
 
 def test_no_timer_of_ours_is_bounded_by_the_group_where_we_poll():
@@ -324,9 +337,9 @@ def test_broadcast_rounds_are_grouped_on_nccl_only(backend, device, grouped):
 def test_a_timeout_on_nccl_says_the_watchdog_ends_the_process(monkeypatch):
     # Issue 34 item 10: on NCCL the watchdog tears the process down at the group's timeout, just after our error.
     limits = _waits.limits_for(None, 600.0, "poll")
-    monkeypatch.setattr(_waits.dist, "get_rank", lambda group=None: 1)
     for backend, said in (("nccl", True), ("cpu:gloo,cuda:nccl", True), ("gloo", False)):
-        monkeypatch.setattr(_waits._policy, "backend_of", lambda group, b=backend: b)
-        message = _waits._timeout_message("sync of X", 590.0, "`sync_timeout`", limits, None)
+        state = _state(None, backend, rank=1)
+        message = _waits._timeout_message("sync of X", 590.0, "`sync_timeout`", None, state, limits)
         named = "the watchdog may end this process when the group's timeout (600 s) expires" in message
         assert named is said, message
+        assert message.startswith("sync of X: rank 1 waited 590 s (`sync_timeout`)"), message

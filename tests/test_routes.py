@@ -10,14 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torchmetrics
-from _helpers import assert_same, split
+from _helpers import assert_same, describe, forced_policy, split
 from conftest import run_distributed
 from torchmetrics.aggregation import CatMetric, MaxMetric
 from torchmetrics.classification import BinaryAUROC
 from torchmetrics.retrieval import RetrievalMAP
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _broadcast, _cap, _engine, _plan, _protocol
+from torchmetrics_varlen._sync import group as _cap
+from torchmetrics_varlen._sync import move as _broadcast
+from torchmetrics_varlen._sync import pack
+from torchmetrics_varlen._sync import plan as _plan
 from torchmetrics_varlen.onerank import compute_on_rank
 
 SKEWED = 8  # the big rank holds this many times the others' samples
@@ -278,18 +281,18 @@ def body_one_rank_skewed(rank, world_size, sizes, dst, cap):
             auroc.update(preds[part][chunk], target[part][chunk])
         values.update(preds[part])
     allocated = []
-    original = _broadcast.empty
+    original = _broadcast.allocate
 
     def record(numel, dtype, device):
         allocated.append(numel * dtype.itemsize)
         return original(numel, dtype, device)
 
-    _broadcast.empty = record
+    _broadcast.allocate = record
     try:
         with _traffic() as seen:
             got = {"auroc": compute_on_rank(auroc, dst=dst), "values": compute_on_rank(values, dst=dst)}
     finally:
-        _broadcast.empty = original
+        _broadcast.allocate = original
     return {"got": got, "seen": seen, "allocated": allocated}
 
 
@@ -372,20 +375,20 @@ def body_allocation_fails(rank, world_size, sizes, failing, dst=None):
     for half in preds[split(sizes, rank)].chunk(2):  # two batches: a rank copies its own data (it cannot send a list)
         metric.update(half)
     compute = metric.compute if dst is None else lambda: compute_on_rank(metric, dst=dst)
-    original = _broadcast.empty
+    original = _broadcast.allocate
 
     def refuse(numel, dtype, device):
         raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {numel} elements")
 
     if rank == failing:
-        _broadcast.empty = refuse
+        _broadcast.allocate = refuse
     try:
         compute()
         first = None
     except tv.SyncMemoryError as err:
         first = str(err)
     finally:
-        _broadcast.empty = original
+        _broadcast.allocate = original
     metric._computed = None
     local = metric.value  # the local state is untouched: the next sync is whole and exact
     return {"error": first, "after": compute(), "local": [t.clone() for t in local]}
@@ -394,7 +397,7 @@ def body_allocation_fails(rank, world_size, sizes, failing, dst=None):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("dst", [None, -1, 0], ids=["every-rank", "to-the-failing-rank", "to-rank-0"])
 def test_a_rank_that_cannot_allocate_makes_every_rank_raise(world_size, dst):
-    per_rank = _engine.AGREE_MIN_BYTES // 4 // world_size + 1000  # float32: together past the agreement threshold
+    per_rank = _broadcast.AGREE_MIN_BYTES // 4 // world_size + 1000  # float32: together past the agreement threshold
     sizes = [per_rank] * world_size
     failing = world_size - 1  # to rank 0: a sender, failing to allocate the copy of its own two batches
     results = run_distributed(body_allocation_fails, world_size, sizes, failing, failing if dst == -1 else dst)
@@ -416,11 +419,12 @@ def test_cap_values_parse_and_bad_ones_name_the_expectation(monkeypatch):
         with pytest.raises(ValueError, match="Expected `sync_cap` to be a number of bytes of at least 1024"):
             tv.rebase(CatMetric)(sync_cap=bad)
     monkeypatch.setenv(_cap.SYNC_CAP_ENV, "1GiB")
-    assert _cap.resolve_cap() == 2**30
+    assert _cap.sent_cap(None) == 2**30
+    assert _cap.sent_cap(4096) == 4096  # a metric's own cap wins over the environment's
     monkeypatch.setenv(_cap.SYNC_CAP_ENV, "nonsense")
-    assert _cap.resolve_cap() == _cap.INVALID_CAP
+    assert _cap.sent_cap(None) == _cap.INVALID_CAP
     monkeypatch.delenv(_cap.SYNC_CAP_ENV)
-    assert _cap.resolve_cap() == _cap.DEFAULT_CAP
+    assert _cap.sent_cap(None) == _cap.DEFAULT_CAP
 
 
 def body_bad_env(rank, world_size):
@@ -447,7 +451,7 @@ def test_a_bad_cap_in_one_ranks_environment_raises_on_every_rank():
 
 # ------------------------------------------------------------------------------------------- the plan's decisions
 def _table(entries_per_rank, cap=_cap.DEFAULT_CAP, cat=None):
-    records = [_protocol.describe(entries, 7, "routes", cap=cap) for entries in entries_per_rank]
+    records = [describe(entries, 7, "routes", cap=cap) for entries in entries_per_rank]
     width = max(map(len, records))
     return torch.tensor([record + [0] * (width - len(record)) for record in records])
 
@@ -474,8 +478,8 @@ def test_the_plan_routes_by_the_largest_rank_and_the_cap():
 
 def test_a_plan_takes_the_smallest_cap_of_the_ranks():
     a, b = torch.zeros(10), torch.zeros(20)
-    records = [_protocol.describe([a], 7, "caps", cap=cap) for cap in (2**20, 4096)]
-    table = torch.tensor([records[0], _protocol.describe([b], 7, "caps", cap=4096)])
+    records = [describe([a], 7, "caps", cap=cap) for cap in (2**20, 4096)]
+    table = torch.tensor([records[0], describe([b], 7, "caps", cap=4096)])
     assert _plan.make_plan(table, "test", broadcast_min=1).cap == 4096
     del records
 
@@ -483,12 +487,10 @@ def test_a_plan_takes_the_smallest_cap_of_the_ranks():
 # ------------------------------------------------------------------- grouped broadcasts (NCCL's; issue 34 item 7)
 def body_grouped(rank, world_size, per_rank, cap):
     """Equal sections on every rank (gloo's list all_gather takes equal sizes only), the grouped path forced."""
-    from torchmetrics_varlen import _policy
-
     total = per_rank * world_size
     values = tv.rebase(CatMetric)(sync_cap=cap)
     values.update(_data(total)[0][rank * per_rank : (rank + 1) * per_rank])
-    with _policy.forced(broadcast_min=1024, grouped_broadcasts=True), _traffic() as seen:
+    with forced_policy(broadcast_min=1024, grouped_broadcasts=True), _traffic() as seen:
         got = values.compute()
     return got, seen
 
@@ -510,13 +512,16 @@ def test_rounds_hold_the_sections_grouped_by_chunk():
     plan = SimpleNamespace(world_size=3, entries=[eplan], broadcast=[0], cap=12)
     result = torch.arange(9, dtype=torch.float32)
     own = torch.arange(7, 9, dtype=torch.float32)  # rank 2's data
-    rounds = _broadcast.rounds(plan, {0: result}, {0: own}, 2)
-    assert [[part.tolist() for part in round_] for round_ in rounds] == [
+    rounds = pack.rounds(plan, {0: result}, {0: own}, 2)
+    # Sections travel as bytes (a dtype a backend cannot broadcast moves as any other): read back as float32 here.
+    assert all(part.dtype == torch.uint8 for round_ in rounds for part in round_)
+    assert [[part.view(torch.float32).tolist() for part in round_] for round_ in rounds] == [
         [[0.0, 1.0, 2.0], [], [7.0, 8.0]],
         [[3.0, 4.0, 5.0], [], []],
         [[6.0], [], []],
     ]
     assert rounds[0][2].data_ptr() == own.data_ptr()  # this rank's own chunk is its source
+    assert rounds[0][0].data_ptr() == result.data_ptr()  # the others' chunks are views of the result: no copy
     flat = [part for round_ in rounds for part in round_ if part.numel()]
-    expected = [part for _, part in _broadcast.sections(plan, {0: result}, {0: own}, 2)]
+    expected = [part for _, part in pack.sections(plan, {0: result}, {0: own}, 2)]
     assert sorted(p.tolist() for p in flat) == sorted(p.tolist() for p in expected)

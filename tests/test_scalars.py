@@ -1,6 +1,7 @@
 """ScalarLog and sync_scalars against one process's torchmetrics aggregators fed every rank's updates in rank order."""
 
 import math
+import os
 import warnings
 
 import pytest
@@ -79,8 +80,12 @@ def body_windows(rank, world_size, nan_strategy):
                 log.update(values, weight)
         with CollectiveCounter() as counter:
             computed = log.compute()
-        again = log.compute()  # cached: no collective
-        results.append({"values": computed, "collectives": counter.count, "cached": again == computed})
+        with CollectiveCounter() as again_counter:
+            again = log.compute()  # every rank computes again: one collective, the same values
+        same = list(again) == list(computed) and all(
+            a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(again.values(), computed.values())
+        )
+        results.append({"values": computed, "collectives": counter.count, "cached": (same, again_counter.count)})
         log.reset()
     one_shot = sync_scalars({"loss": float(rank)}, weight=rank, reduce="mean")
     return {"windows": results, "one_shot": one_shot["loss"]}
@@ -92,7 +97,8 @@ def test_scalar_log_matches_one_process(world_size, nan_strategy):
     for result in run_distributed(body_windows, world_size, nan_strategy, deadline=90):
         for window, got in enumerate(result["windows"]):
             assert_matches(got["values"], reference(world_size, nan_strategy, window))
-            assert got["cached"]
+            # Issue 43 item 1: a rank without updates takes part in the sync (none in a group of one).
+            assert got["cached"] == (True, int(world_size > 1))
             # First window: new keys, one more exchange; afterwards the agreed layout: one collective per compute.
             expected = (0,) if world_size == 1 else (1, 2) if window == 0 else (1,)
             assert got["collectives"] in expected, got["collectives"]
@@ -237,7 +243,7 @@ def test_the_benchmark_counts_what_each_way_costs():
 
 def body_dense(rank, world_size):
     """Every rank has every key: its record carries the whole layout (a bitmap and every key's words)."""
-    from torchmetrics_varlen import _scalar_record
+    from torchmetrics_varlen._sync import scalar_codec as _scalar_record
 
     log = ScalarLog(reduce={"n": "sum", "hi": "max", "lo": "min"})
     out = []
@@ -264,3 +270,38 @@ def test_ranks_holding_every_key_send_the_dense_layout():
                 "lo": min(-x for x, _ in xs),
             }
             assert got["values"] == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------- the dtypes of an update, keys, numpy scalars
+def test_each_value_and_weight_becomes_float64_on_its_own():
+    # Before: one update's tensors were stacked first, so promoted to their common dtype: a bf16 loss next to an
+    # int64 count of 1,000,003 logged 999,424; an fp16 weight turned a count of 100,000 into inf.
+    log = ScalarLog(reduce={"tokens": "sum", "count": "sum", "exact": "sum"})
+    log.update(
+        {"loss": torch.tensor(0.5, dtype=torch.bfloat16), "tokens": torch.tensor(1_000_003)},
+        weight=torch.tensor(2.0, dtype=torch.float16),
+    )
+    log.update({"count": torch.tensor(100_000), "exact": torch.tensor(16_777_217, dtype=torch.int32)})
+    log.update({"loss": torch.tensor(2.0)}, weight={"loss": torch.tensor(65_504.0, dtype=torch.float16)})
+    got = log.compute()
+    assert got["tokens"] == 1_000_003.0 and got["count"] == 100_000.0 and got["exact"] == 16_777_217.0
+    assert got["loss"] == (0.5 * 2.0 + 2.0 * 65_504.0) / (2.0 + 65_504.0)
+
+
+def test_numpy_scalars_are_accepted_as_torchmetrics_accepts_them():
+    np = pytest.importorskip("numpy")
+    log = ScalarLog(reduce={"n": "sum"})
+    log.update({"loss": np.float32(0.25), "n": np.int64(3)}, weight=np.int32(4))
+    log.update({"loss": np.float16(1.0), "n": np.uint8(2)}, weight=np.float64(1.0))
+    expected_loss = (0.25 * 4 + 1.0 * 1) / 5
+    assert log.compute() == {"loss": expected_loss, "n": 5.0}
+
+
+def test_a_key_utf8_cannot_encode_is_refused_at_update():
+    # Before: accepted here, then a failure at compute() on that rank alone while its peers waited.
+    log = ScalarLog()
+    name = os.fsdecode(b"loss-\xff")  # what a non-UTF-8 file name decodes to: a lone surrogate
+    with pytest.raises(ValueError, match="UTF-8"):
+        log.update({name: 1.0})
+    log.update({"fine": 1.0})
+    assert log.compute() == {"fine": 1.0}

@@ -11,7 +11,7 @@ from conftest import run_distributed
 
 from benchmarks import skew
 from tests._meters import ByteMeter
-from torchmetrics_varlen import _transport
+from torchmetrics_varlen._sync.group import INITIAL_WORDS
 
 SIZE_CASES = {
     2: [skew.skew_sizes(2, 500, 8), [700, 700]],
@@ -57,7 +57,7 @@ def test_sides_move_what_the_sizes_imply(world_size, case, tmp_path):
         # route, or exactly the true sizes for a route that sends each rank's bytes as they are.
         (first, metadata), *data = out["varlen"]["calls"]
         assert first.startswith("all_gather") and metadata % (8 * world_size) == 0
-        assert metadata <= world_size * 8 * _transport.INITIAL_WORDS
+        assert metadata <= world_size * 8 * INITIAL_WORDS
         data_bytes = sum(nbytes for _, nbytes in data)
         assert data_bytes in (padded, exact), (data, padded, exact)
         assert out["varlen"]["received"] == metadata + data_bytes

@@ -6,13 +6,12 @@ reduction of the stacked per-rank states, or one process on the concatenated dat
 
 import pytest
 import torch
-from _helpers import count_collectives, quiet_compute
+from _helpers import count_collectives, forced_policy, quiet_compute
 from conftest import run_distributed
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from torchmetrics_varlen import Metric, SyncMismatchError, gather_all_tensors, rebase
-from torchmetrics_varlen._policy import forced
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ROUTES = ("never", "always", "auto")  # gathered, all-reduced where the plan may, the cost model (inline when small)
@@ -166,7 +165,7 @@ def body_special_values(rank, world_size, kind, reductions):
     for route in ROUTES:
         metric = _make(kind, reductions)
         _fill(metric, kind, rank, world_size)
-        with forced(reduce=route), count_collectives() as counts:
+        with forced_policy(reduce=route), count_collectives() as counts:
             out[route] = quiet_compute(metric)
         out[route + "_all_reduce"] = counts.get("all_reduce", 0)
     return out

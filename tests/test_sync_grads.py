@@ -263,12 +263,17 @@ def test_mixed_sync_grads_raises_on_every_rank(world_size):
 
 
 # ------------------------------------------------------- CPU states beside a CUDA autograd thread (issue 34 item 5)
-def body_host_states_with_cuda(rank, world_size, cuda_ranks):
-    """``torch.cuda.is_initialized`` answers True on ``cuda_ranks``: what a GPU job's CPU-state metric sees."""
+def body_host_states_with_cuda(rank, world_size, nccl_ranks, touched):
+    """The group reads as NCCL-served on ``nccl_ranks``; CUDA reads as used (``pin_memory``, a query) if ``touched``."""
     from torchmetrics_varlen import SoftF1Loss
+    from torchmetrics_varlen._sync.group import REGISTRY
 
     real = torch.cuda.is_initialized
-    torch.cuda.is_initialized = lambda: rank in cuda_ranks
+    torch.cuda.is_initialized = lambda: touched  # a process that merely touched CUDA is no reason to refuse
+    state = REGISTRY.state(None)
+    backend = state.backend
+    if rank in nccl_ranks:  # where DDP's CUDA buckets share the group: a several-backend group, as a GPU job has
+        state.backend, state.policies = "cpu:gloo,cuda:nccl", {}
     errors = []
     try:
         for hook in (False, True):  # the loss metric (a per-step sync), then the hook
@@ -282,7 +287,8 @@ def body_host_states_with_cuda(rank, world_size, cuda_ranks):
                 errors.append(str(err))
     finally:
         torch.cuda.is_initialized = real
-    # The group is still usable, and without CUDA in use the same sync carries gradients as before.
+        state.backend, state.policies = backend, {}
+    # The group is still usable, and without such a group the same sync carries gradients as before.
     probs = torch.rand(3 + rank, dtype=torch.float64, requires_grad=True)
     torch.cat(gather_all_tensors(probs, sync_grads=True)).sum().backward()
     return errors, probs.grad.tolist()
@@ -290,14 +296,23 @@ def body_host_states_with_cuda(rank, world_size, cuda_ranks):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("everywhere", [True, False])
-def test_differentiable_sync_of_cpu_states_in_a_cuda_process_is_refused_on_every_rank(world_size, everywhere):
+def test_differentiable_sync_of_cpu_states_beside_nccl_is_refused_on_every_rank(world_size, everywhere):
     # Its backward all-reduce would wait for the CPU thread's copies while DDP issues its own from the CUDA thread:
     # an order that differs between ranks (a gloo abort on one GPU, seen on an H200). Decided from every rank's
-    # record, so a rank that alone holds CPU states makes every rank raise, before any data moves.
-    cuda_ranks = list(range(world_size)) if everywhere else [world_size - 1]
-    for rank, (errors, grad) in enumerate(run_distributed(body_host_states_with_cuda, world_size, cuda_ranks)):
+    # record, so a rank that alone would race makes every rank raise, before any data moves.
+    nccl_ranks = list(range(world_size)) if everywhere else [world_size - 1]
+    for rank, (errors, grad) in enumerate(run_distributed(body_host_states_with_cuda, world_size, nccl_ranks, False)):
         assert len(errors) == 2, (rank, errors)
         for message in errors:
-            assert f"ranks {cuda_ranks} hold them on the CPU while their process uses CUDA" in message, message
+            assert f"ranks {nccl_ranks} hold them on the CPU" in message, message
             assert "metric.to(device)" in message and "sync_grads=False" in message, message
         assert grad == [float(world_size)] * (3 + rank)  # d/dx of the sum over every rank's gathered pieces
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_cpu_job_that_touched_cuda_is_not_refused(world_size):
+    # Issue 43 item 9: `torch.cuda.is_initialized()` was the test, so `pin_memory` or a device query on one rank
+    # refused every rank of a CPU-only DDP job. Only an NCCL-served group or a CUDA gradient device can race.
+    for rank, (errors, grad) in enumerate(run_distributed(body_host_states_with_cuda, world_size, [], True)):
+        assert errors == [], (rank, errors)
+        assert grad == [float(world_size)] * (3 + rank)

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import forced_policy
 from _metrics import Total
 from conftest import PG_TIMEOUT, run_distributed
 from torch import multiprocessing as mp
@@ -20,14 +21,10 @@ from torchmetrics_varlen import (
     SyncMismatchError,
     SyncPeerError,
     SyncTimeoutError,
-    _exit_grace,
-    _policy,
-    _presence,
-    _transport,
-    _waits,
     join,
     rebase,
 )
+from torchmetrics_varlen._sync import group, wait
 from torchmetrics_varlen.onerank import compute_on_rank
 
 
@@ -48,7 +45,7 @@ def body_timeouts(rank, world_size, absent, wait):
 
     ``wait`` "poll" forces the polling wait that NCCL gets onto gloo; "block" is gloo's own.
     """
-    with contextlib.nullcontext() if wait == "block" else _policy.forced(wait=wait):
+    with contextlib.nullcontext() if wait == "block" else forced_policy(wait=wait):
         return _timeouts(rank, world_size, absent)
 
 
@@ -62,7 +59,7 @@ def _timeouts(rank, world_size, absent):
     # A slow sync first: the absent rank waits there long enough to note it in the store. Once that sync completes,
     # the note must not make the absent rank look "waiting at sync #1" when the next sync times out.
     if rank != absent:
-        time.sleep(_waits.NOTE_AFTER + 0.5)
+        time.sleep(wait.NOTE_AFTER + 0.5)
     metric.compute()
     metric.update(torch.ones(3))
     missing = None
@@ -133,16 +130,16 @@ def test_different_metrics_raise_mismatch_on_every_rank(world_size):
 
 def body_store_notes(rank, world_size):
     """The private store access works, and a quick sync never touches the store."""
-    reachable = _presence.store() is not None
+    reachable = wait.NOTES.store() is not None
     calls = []
-    original = _presence.store
-    _presence.store = lambda: calls.append(1) or original()
+    original = wait.NOTES.store
+    wait.NOTES.store = lambda: calls.append(1) or original()
     try:
         metric = Total(sync_timeout=30)
         metric.update(torch.ones(2))
         value = metric.compute().item()
     finally:
-        _presence.store = original
+        wait.NOTES.store = original
     return {"reachable": reachable, "store_calls": len(calls), "value": value}
 
 
@@ -166,7 +163,7 @@ def body_foreign_peer(rank, world_size):
     giant exchange that the foreign rank never joins."""
     from torchmetrics_varlen import gather_all_tensors
 
-    fixed = _transport.INITIAL_WORDS  # a fresh pool: the group's agreed record length is the initial one
+    fixed = group.INITIAL_WORDS  # a fresh pool: the group's agreed record length is the initial one
     if rank == 1:
         record = torch.full((fixed,), 10**6, dtype=torch.int64)
         dist.all_gather_into_tensor(torch.empty(world_size * fixed, dtype=torch.int64), record)
@@ -196,7 +193,7 @@ def test_foreign_peer_is_named_without_a_second_exchange(world_size):
 def body_group_timeouts(rank, world_size):
     """The timeout a group was created with is read from it (torch keeps it in the backend's options: private)."""
     short = dist.new_group(timeout=datetime.timedelta(seconds=7))
-    return {"world": _waits.group_timeout(None, "cpu"), "short": _waits.group_timeout(short, "cpu")}
+    return {"world": group.group_timeout(dist.group.WORLD, "cpu"), "short": group.group_timeout(short, "cpu")}
 
 
 def test_the_group_timeout_is_read_from_the_group():
@@ -347,7 +344,7 @@ def body_memory_after_compute(rank, world_size, side):
     value = metric.compute()
     assert value.numel() == sum(16 * 2**20 + 1000 * r for r in range(world_size))
     del value, metric
-    return _resident_mib() - baseline, _exit_grace._LAST_WAIT[0] >= started
+    return _resident_mib() - baseline, wait.NOTES.last_wait >= started
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -362,24 +359,21 @@ def test_a_sync_holds_no_memory_once_its_results_are_dropped(world_size):
     assert all(noted for _, noted in ours), ours
 
 
-def test_exit_grace_counts_from_the_last_wait():
-    before = _exit_grace._LAST_WAIT[0]
-    try:
-        _exit_grace._LAST_WAIT[0] = float("-inf")
-        assert _exit_grace.remaining() == 0
-        _exit_grace.waited()
-        assert 0 < _exit_grace.remaining() <= _exit_grace.GRACE
-        start = time.monotonic()
-        _exit_grace._before_exit()  # what atexit runs: sleeps out the rest
-        assert time.monotonic() - start >= 0.8 * _exit_grace.GRACE
-        assert _exit_grace.remaining() == 0
-    finally:
-        _exit_grace._LAST_WAIT[0] = before
+def test_exit_grace_counts_from_the_last_wait(monkeypatch):
+    monkeypatch.setattr(wait.NOTES, "_armed", [])  # no store to note the exit in: the grace alone
+    monkeypatch.setattr(wait.NOTES, "last_wait", float("-inf"))
+    start = time.monotonic()
+    wait.NOTES._at_exit()  # what atexit runs: no wait returned lately, nothing to sleep out
+    assert time.monotonic() - start < 0.2 * wait.GRACE
+    wait.NOTES.last_wait = time.monotonic()  # a wait returned just now
+    start = time.monotonic()
+    wait.NOTES._at_exit()  # sleeps out the rest of the grace
+    assert time.monotonic() - start >= 0.8 * wait.GRACE
 
 
 # ---------------------------------------------------------------------- the reduce mode travels (issue 20 item 8)
 def body_reduce_modes(rank, world_size):
-    os.environ[_policy.REDUCE_ENV] = "never" if rank == 0 else "always"
+    os.environ[group.REDUCE_ENV] = "never" if rank == 0 else "always"
     try:
         metric = Total(sync_timeout=30)
         metric.update(torch.ones(100_000))  # large: not inline, so the routes would differ
@@ -389,7 +383,7 @@ def body_reduce_modes(rank, world_size):
             return str(err)
         return "no error"
     finally:
-        del os.environ[_policy.REDUCE_ENV]
+        del os.environ[group.REDUCE_ENV]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -423,7 +417,7 @@ def body_lengths_after_reinit(rank, world_size, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     sizes = []
     name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    original = getattr(dist, name)  # the metadata exchange's collective (see _transport._gather_equal)
+    original = getattr(dist, name)  # the metadata exchange's collective (see comm.gather_equal)
 
     def spy(output, local, *args, **kwargs):
         sizes.append(local.numel())
@@ -443,4 +437,4 @@ def test_a_new_process_group_starts_with_fresh_record_lengths(tmp_path):
     # Before: the lengths were keyed by the group's name ("0" again after re-init): a survivor of an elastic restart
     # kept the old length while a new process started afresh.
     results = run_distributed(body_lengths_after_reinit, 2, str(tmp_path / "again"), deadline=60, fresh=True)
-    assert results == [_transport.INITIAL_WORDS] * 2
+    assert results == [group.INITIAL_WORDS] * 2

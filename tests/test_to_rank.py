@@ -7,13 +7,14 @@ are compared with the pieces computed here from the known per-rank sizes.
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import assert_same
+from _helpers import assert_same, forced_policy, group_state
 from _meters import ByteMeter
 from conftest import run_distributed
 from torchmetrics.classification import BinaryAUROC
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import _policy, _to_rank
+from torchmetrics_varlen._sync import group as _policy
+from torchmetrics_varlen._sync import pack as _to_rank
 from torchmetrics_varlen.onerank import compute_on_rank
 
 
@@ -63,7 +64,7 @@ def body_one_rank(rank, world_size, sizes, dst, cap, nccl_shaped):
     if nccl_shaped:  # gloo's list all_gather takes equal sizes only: NCCL's runs unequal ones as broadcasts
         dist.all_gather = _all_gather_as_broadcasts
     try:
-        with _policy.forced(point_to_point=not nccl_shaped, broadcast_min=1024), ByteMeter() as meter:
+        with forced_policy(point_to_point=not nccl_shaped, broadcast_min=1024), ByteMeter() as meter:
             got = compute_on_rank(auroc, dst=dst)
     finally:
         dist.all_gather = original
@@ -127,7 +128,8 @@ def test_pieces_are_contiguous_spans_cut_at_the_cap():
     [("nccl", "cuda", False), ("nccl2", "cuda", False), ("cpu:gloo,cuda:nccl", "cpu", True), ("gloo", "cpu", True)],
 )
 def test_point_to_point_is_off_on_nccl_only(monkeypatch, backend, device_type, expected):
-    monkeypatch.setattr(_policy, "backend_of", lambda group: backend)
-    assert _policy.point_to_point(None, device_type) is expected
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    state = group_state(None, backend)  # what a group of that backend keeps
+    assert state.policy(device, None).point_to_point is expected
     assert _policy.decide(_policy.Facts(backend, device, current_cuda=0)).point_to_point is expected

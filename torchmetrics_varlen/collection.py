@@ -9,10 +9,9 @@ from typing import Any
 from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
-from torchmetrics_varlen import _transport
-from torchmetrics_varlen._cap import parse_cap
-from torchmetrics_varlen._state_sync import sync_states
-from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn, resolve_timeout
+from torchmetrics_varlen._sync.group import link, parse_cap, resolve_timeout
+from torchmetrics_varlen._sync.states import metrics_device, sync_states
+from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn
 
 __all__ = ["MetricCollection"]
 
@@ -27,12 +26,13 @@ class MetricCollection(StockMetricCollection):
     the states of all members that sync on compute travel together in one metadata and one data exchange (a state
     shared by a compute group is moved once), then each member computes from the global states and gets its local
     states back. Members with a custom ``dist_sync_fn`` or a ``process_group`` of their own sync themselves.
-    Members whose ``compute()`` result is cached return it without any exchange, as stock ones do.
+    As for :class:`~torchmetrics_varlen.Metric`, a valid cache is part of the sync: every rank says whether every
+    member's cached result is still valid, and when every rank's are, only the records move and the caches stand.
 
-    A member's own ``compute()`` syncs the whole collection too: the first member computed (with no valid cached
-    result) syncs every eligible member at once and caches each result, so the members computed next return theirs
-    with no exchange. That is how ``self.log_dict(collection)`` in Lightning, which computes member after member at
-    epoch end, costs one sync for the collection. Members with ``compute_with_cache=False`` compute on their own.
+    A member's own ``compute()`` syncs the whole collection too: it syncs every eligible member at once and caches
+    each result, so the members computed next find every rank's caches valid and cost one small exchange each. That
+    is how ``self.log_dict(collection)`` in Lightning, which computes member after member at epoch end, moves the
+    collection's data once. Members with ``compute_with_cache=False`` compute on their own.
 
     Args:
         metrics: as for :class:`torchmetrics.MetricCollection`.
@@ -97,18 +97,19 @@ class MetricCollection(StockMetricCollection):
             if isinstance(metric, StockMetric) and callable(compute) and not hasattr(compute, "__tv_collection__"):
                 vars(metric)["compute"] = _collection_compute(collection, metric, compute)
 
-    def _cache_members_for(self, trigger: StockMetric) -> None:
+    def _cache_members_for(self, trigger: StockMetric) -> bool:
         """A member's ``compute()`` is about to run: sync and compute every eligible member at once, cache each.
 
-        Decided from the members' configuration and cache state, as ``compute()`` decides (the same on every rank
-        when every rank logs and computes the same members, as Lightning does).
+        Decided from the members' configuration only (the same on every rank that computes the same member); whether
+        their caches are valid is part of the sync. Returns whether it synced.
         """
-        if "_syncing" in vars(self) or _transport.world_of(None) is None:
-            return
-        members = [m for m in self._coalesced_members() if m._computed is None and m.compute_with_cache]
+        if "_syncing" in vars(self):
+            return False
+        members = [m for m in self._coalesced_members() if m.compute_with_cache]
         if trigger not in members:
-            return
+            return False
         self._sync_and_compute(members, tolerant=True)
+        return True
 
     def _coalesced_members(self) -> list[StockMetric]:
         """Members that take part in the one-shot sync, chosen from their configuration only (equal on all ranks).
@@ -135,9 +136,7 @@ class MetricCollection(StockMetricCollection):
         The members' own ``compute()`` then returns the cached global value: no second sync, and none of the
         per-member sync bookkeeping of torchmetrics (that bookkeeping costs more than the exchange itself).
         """
-        # Members whose cached result is valid return it with no collective, as stock ones do; when every member's
-        # is, the collection syncs nothing at all (`compute()` on rank 0 only after every rank computed is legal).
-        members = [m for m in self._coalesced_members() if m._computed is None]
+        members = self._coalesced_members()  # from their configuration: the same on every rank
         self._sync_and_compute(members)
         uncached = [metric for metric in members if not metric.compute_with_cache]
         vars(self)["_syncing"] = True  # the members' computes below must not start another collection sync
@@ -155,16 +154,21 @@ class MetricCollection(StockMetricCollection):
         computed ahead only to save their syncs: one never updated must not break it; its own ``compute()`` later
         syncs on its own and raises what it would have raised).
         """
-        if members and _transport.world_of(None) is not None:
+        sync_link = link(None, metrics_device(members), self.sync_timeout, "sync of MetricCollection")
+        if members and sync_link is not None:
+            cached = all(metric._computed is not None for metric in members)
             synced = sync_states(
                 members,
-                None,
+                sync_link,
                 phase="collection",
                 label="MetricCollection",
-                timeout=self.sync_timeout,
                 cap=self.sync_cap,
+                cached=cached,
             )
+            if synced is None:  # every member's cached result is valid on every rank: it is the global value
+                return
         else:  # a group of one: nothing to exchange (stock members would still gather with themselves)
+            members = [metric for metric in members if metric._computed is None]
             synced = [{} for _ in members]
         for metric, states in zip(members, synced):
             local = {name: vars(metric)[name] for name in states}
@@ -188,8 +192,11 @@ def _collection_compute(
     def compute_in_collection(*args: Any, **kwargs: Any) -> Any:
         owner = collection()
         # `forward` computes the batch value with `_should_unsync` cleared: a per-step value, never the collection's.
-        if owner is not None and metric._computed is None and metric._should_unsync:
-            owner._cache_members_for(metric)
+        if owner is not None and metric._should_unsync:
+            # Inside the collection's own compute every rank synced every member just now: its result stands.
+            synced = "_syncing" in vars(owner) or owner._cache_members_for(metric)
+            if synced and metric._computed is not None:  # what the collection's sync computed for this member
+                return metric._computed
         return compute(*args, **kwargs)
 
     compute_in_collection.__tv_collection__ = collection  # type: ignore[attr-defined]

@@ -5,16 +5,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _engine, _protocol, _transport, _waits
-from torchmetrics_varlen._buffers import Stacked
+from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync.grad import differentiable_dtype
+from torchmetrics_varlen._sync.group import default_timeout, link, sent_cap
+from torchmetrics_varlen._sync.pack import Stacked
+from torchmetrics_varlen._sync.record import FLAG_DIFF, context_hash
 from torchmetrics_varlen.errors import SyncTimeoutError
 
 __all__ = ["gather_all_tensors"]
 
-_HOOK_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors")
+_HOOK_CONTEXT = context_hash("torchmetrics_varlen.gather_all_tensors")
 # Its own context: a rank gathering with ``sync_grads=True`` while a peer gathers without it would hang in backward,
 # so the metadata exchange turns that into a `SyncMismatchError` on every rank instead.
-_GRAD_CONTEXT = _protocol.context_hash("torchmetrics_varlen.gather_all_tensors(sync_grads=True)")
+_GRAD_CONTEXT = context_hash("torchmetrics_varlen.gather_all_tensors(sync_grads=True)")
 
 # What a waiting rank adds to a timeout in the hook. Stock `Metric._sync_dist` calls the hook once per tensor: once
 # per list item for a list state whose `dist_reduce_fx` is None (dim_zero_cat lists are concatenated into one item
@@ -89,38 +92,31 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     """
     if not isinstance(result, Tensor):
         raise TypeError(f"Expected `result` to be a torch.Tensor but got {type(result).__name__}")
-    world = _transport.world_of(group)
-    if world is None:
+    label = "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors"
+    # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is the
+    # accelerator's where CUDA is available, on every rank alike), only the device of the kind picked.
+    sync_link = link(group, None, default_timeout(), f"sync of {label}", result.device)
+    if sync_link is None:
         return [result]
-    return _per_rank(_sync(result, group, sync_grads), result, world[0])
-
-
-def _sync(result: Tensor, group: Any | None, sync_grads: bool) -> "_engine.Synced":
-    """The engine's sync of ``result`` across ``group``: one entry, no metric."""
-    request = _engine.Request(
+    request = engine.Request(
         [result],
-        group,
         _GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
-        "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors",
-        _waits.default_timeout(),
+        label,
         # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
-        flags=_protocol.FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
-        grad="always",
+        flags=FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
         names=_tensor_name,
-        # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is
-        # the accelerator's where CUDA is available, on every rank alike), only the device of the kind picked, and
-        # torchmetrics sends an empty list state's placeholder on the metric's device, as its data live.
-        device=None,
+        cap=sent_cap(None),
+        grad="always",
     )
     try:
-        synced = _engine.run(request)
+        synced = engine.sync(request, sync_link)
     except SyncTimeoutError as err:  # the waiting ranks: name the case the hook cannot help with
         raise SyncTimeoutError(str(err) + HOOK_LIMIT) from err
     assert synced is not None  # no `stop` given
-    return synced
+    return _per_rank(synced, result, sync_link.rank)
 
 
-def _per_rank(synced: "_engine.Synced", result: Tensor, rank: int) -> list[Tensor]:
+def _per_rank(synced: engine.Synced, result: Tensor, rank: int) -> list[Tensor]:
     """One tensor per rank, this rank's being the caller's own object where it keeps an autograd graph."""
     gathered = synced.results[0]
     per_rank: list[Tensor] = list(gathered.tensor.unbind(0)) if isinstance(gathered, Stacked) else list(gathered)  # type: ignore[union-attr, arg-type]
@@ -128,7 +124,7 @@ def _per_rank(synced: "_engine.Synced", result: Tensor, rank: int) -> list[Tenso
     if dtype is None and len({piece.dtype for piece in per_rank}) > 1:  # no rank holds data, the dtypes differ
         common = _items_dtype(per_rank)
         per_rank = [piece.to(common) for piece in per_rank]
-    if synced.plan.differentiable and _engine.differentiable_dtype(dtype):
+    if synced.plan.differentiable and differentiable_dtype(dtype):
         return per_rank  # every piece is an output of the differentiable step
     if result.numel() > 0:
         per_rank[rank] = result  # the caller's own object: its autograd graph stays intact

@@ -1,11 +1,12 @@
 """``IndexedMetric``: exact evaluation whatever the sampler, by keying every sample with its dataset index.
 
 The class owns the states and wires together the parts in :mod:`torchmetrics_varlen._indexed`: argument capture and
-layout checks (``arguments``), ordering and dedup (``dedup``), replay onto the wrapped metric (``replay``) and the
-one-rank routing of ``compute()`` (``routing``).
+layout checks, ordering and dedup, replay onto the wrapped metric; ``compute()`` goes to one rank where
+``compute_on_rank`` says so.
 """
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,16 +15,21 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._indexed import dedup, replay
-from torchmetrics_varlen._indexed.arguments import (
+from torchmetrics_varlen._indexed import (
     INDEX_NAME,
+    RULES,
     ArgumentCapture,
+    Dedup,
+    as_tensor,
     check_sample_index,
     decode_static,
     distinct_static,
+    gathered_inputs,
+    replay,
+    sample_ranks,
 )
-from torchmetrics_varlen._indexed.routing import route_compute
 from torchmetrics_varlen.metric import Metric
+from torchmetrics_varlen.onerank import one_rank_compute
 
 __all__ = ["IndexedMetric"]
 
@@ -136,8 +142,8 @@ class IndexedMetric(Metric):
         super().__init__(**kwargs)
         if not isinstance(metric, StockMetric):
             raise TypeError(f"Expected `metric` to be a torchmetrics.Metric but got {type(metric).__name__}")
-        if duplicates not in dedup.RULES:
-            raise ValueError(f"Expected `duplicates` to be one of {dedup.RULES} but got {duplicates!r}")
+        if duplicates not in RULES:
+            raise ValueError(f"Expected `duplicates` to be one of {RULES} but got {duplicates!r}")
         if update_batch_size is not None and (
             isinstance(update_batch_size, bool) or not isinstance(update_batch_size, int) or update_batch_size < 1
         ):
@@ -204,22 +210,31 @@ class IndexedMetric(Metric):
     def compute(self) -> Any:
         """Order the inputs of all ranks by dataset index, keep each index once, and compute the wrapped metric."""
         static = decode_static(getattr(self, _STATIC_STATE))
-        index = replay.as_tensor(getattr(self, _INDEX_STATE))
+        index = as_tensor(getattr(self, _INDEX_STATE))
         samples = 0 if index is None else index.numel()
         states = {name: getattr(self, _INPUT_PREFIX + name) for name in self._input_names}
-        inputs = replay.gathered_inputs(states, samples)
+        inputs = gathered_inputs(states, samples)
         if index is None or samples == 0:
-            return replay.replay(self.metric, self._arguments.signature, static, {}, None)  # as one process, no data
-        order = dedup.Dedup(index)
+            return replay(self.metric, self._arguments.signature, static, {}, None)  # as one process, no data
+        order = Dedup(index)
         if self.duplicates == "error":
             order.check_all_agree(inputs)
         else:
-            ranks = dedup.sample_ranks(replay.as_tensor(getattr(self, _UPDATES_STATE)), samples)
+            ranks = sample_ranks(as_tensor(getattr(self, _UPDATES_STATE)), samples)
             order.check_padding_like(inputs, ranks, _rank_and_size(self.process_group)[1])
         take = order.take()
         ordered = {name: data[take.to(data.device)] for name, data in inputs.items()}
         del inputs
-        return replay.replay(self.metric, self._arguments.signature, static, ordered, self.update_batch_size)
+        return replay(self.metric, self._arguments.signature, static, ordered, self.update_batch_size)
 
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
-        return route_compute(self, super()._wrap_compute(compute), compute)
+        every_rank = super()._wrap_compute(compute)
+
+        @functools.wraps(compute)
+        def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
+            # With `compute_on_rank` set: gather to that rank, compute there, send the result to every rank.
+            if self.compute_on_rank is None:
+                return every_rank(*args, **kwargs)
+            return one_rank_compute(self, self.compute_on_rank, functools.partial(every_rank, *args, **kwargs))
+
+        return wrapped_compute

@@ -3,222 +3,331 @@
 Use :func:`join`: ``with torchmetrics_varlen.join(ddp_model, metric):`` builds a
 :class:`torch.distributed.algorithms.join.Join` in which a rank that ran out of batches takes part in the metrics'
 per-step syncs as a rank with an empty batch (every state at its default), so the other ranks' per-step values and
-the epoch ``compute()`` are exact. A plain ``Join([metric, ddp_model])`` (metrics first) works the same way.
+the epoch ``compute()`` are exact. The metrics are not joinables of their own: ``join`` wraps them.
 
 Why a side process group and a thread: when the metric is a DDP loss, a running rank issues, per iteration, DDP's
 forward collectives, then the metric's step sync, then DDP's backward all-reduces. DDP's own join hook shadows its
 forward and backward collectives in one call, so a joined rank cannot put the metric's sync between them on the same
 process group. Once some rank has joined, the per-step syncs therefore travel on a gloo process group of their own
-(one per process group, made once by that group's ranks: see :mod:`torchmetrics_varlen._join_shadow`), and the joined
-rank shadows them from a worker thread, while its main thread runs DDP's hook. Until then they stay on the metric's
-own group: every rank switches at the same sync, decided from Join's count of the running ranks (see
-:mod:`torchmetrics_varlen._join_session`). The side group is gloo whatever the job's backend: NCCL must not be driven
-from two threads at once, and the worker never touches CUDA (it sends CPU copies of the defaults, made on the main
-thread).
+(the side group of the metrics' group, made once: see ``engine.side_link``), and the joined rank shadows them from a
+worker thread, while its main thread runs DDP's hook. Until then they stay on the metric's own group: every rank
+switches at the same sync, decided from Join's count of the running ranks (an all-reduce whose result is equal on
+every rank). The side group is gloo whatever the job's backend: NCCL must not be driven from two threads at once, and
+the worker never touches CUDA (it sends CPU copies of the defaults, made on the main thread).
 
-Order: a joinable's hook that runs before the metrics' hook (DDP's) blocks until the running ranks reach their
-backward pass, after their per-step sync, which the metrics' hook has not started shadowing yet. So the metrics'
-hook runs first; :func:`join` arranges it, and a plain ``Join`` listing another joinable before a metric raises
-``ValueError``. On the way out DDP's hook runs first in :func:`join` (its final model broadcast must run on every
-rank even when a metric has an error to report); errors of the worker are raised when ``join`` exits.
+One side group carries every metric of a join, so the worker cannot know beforehand which metric the running ranks
+sync next. It sends the empty batch of the metric it expects (flagged ``FLAG_SHADOW``); when the exchanged records
+show that the running ranks sync another metric of the join, every rank drops that exchange and runs it again, the
+workers now with the right metric (:func:`verdict`, from the exchanged table alone). The guess follows the order seen
+so far, so a loop that syncs its metrics in the same order every iteration costs a retry only while it is learnt.
 
-Failures: a worker that fails sends a "failed" record instead of its empty batch, so the running ranks raise
-:class:`~torchmetrics_varlen.SyncMismatchError` at their next per-step sync (the message names the failing rank)
-instead of waiting out ``sync_timeout``; every shadow exchange and the final "terminate" record wait at most the
-metric's ``sync_timeout``.
+Order: DDP's join hook blocks until the running ranks reach their backward pass, after their per-step sync, so the
+metrics' hook runs first; on the way out DDP's post hook runs first (its final model broadcast must run on every rank
+even when a metric has an error to report); errors of the worker are raised when ``join`` exits. A worker that fails
+sends a "failed" record instead of its empty batch, so the running ranks raise at their next per-step sync (naming
+the failing rank). The worker waits for the running ranks up to the group's own timeout: between two of their steps
+they may be busy for long (a checkpoint on rank 0).
 """
 
-import contextlib
-import inspect
-import warnings
+import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
+from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _join_shadow, _policy, _presence
-from torchmetrics_varlen._join_session import _Session
-from torchmetrics_varlen._join_shadow import JoinShadowError
-from torchmetrics_varlen._state_sync import StateDict
+from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync.group import Link, link
+from torchmetrics_varlen._sync.record import FLAG_SHADOW, H_CONTEXT, H_FLAGS, HEADER_LEN, context_hash
+from torchmetrics_varlen._sync.states import StateDict, layout, layout_text, reduce_results, run
+from torchmetrics_varlen.metric import Metric
 
-__all__ = ["MetricJoinHook", "join"]
+__all__ = ["JoinShadowError", "join"]
 
+TERMINATE = context_hash("torchmetrics_varlen.join.terminate")
+FAILED = context_hash("torchmetrics_varlen.join.failed")
+GO, RETRY, END, FAIL = "go", "retry", "end", "fail"
 _SETTLE_SECONDS = 2.0
 
 
-class MetricJoinHook(JoinHook):
-    """Shadows the per-step syncs of a join's metrics on a rank that ran out of data, until every rank has joined.
+class JoinShadowError(RuntimeError):
+    """The worker that shadows a metric's per-step syncs failed on some rank (raised by :func:`join` on exit)."""
 
-    A worker thread takes part in every per-step sync the running ranks make on the side group, as a rank with an
-    empty batch: it does not count iterations, so it works whatever the other joinables (DDP) do between the syncs
-    and however many syncs an iteration makes. When every rank has joined, the ranks that joined last send one
-    "terminate" record on the side group; the workers, waiting in their next shadow, see it and stop.
 
-    Its hooks never raise inside :func:`join`, which raises the errors once ``Join`` is done. In a plain ``Join``,
-    the post hook raises them when it is the last hook, else warns (a raise would skip the next hooks).
+# ------------------------------------------------------------------------------------------------------ records
+def step_context(metric: StockMetric, position: int) -> int:
+    """The context of a per-step sync on the side group of the join's metric at ``position``.
 
-    Args:
-        session: the metrics of the join on this rank.
+    The position is part of it: two metrics of one class have the same layout but may have other defaults (a
+    ``num_classes``), and a worker must never answer one with the other's empty batch.
+    """
+    return context_hash(f"{layout_text([metric], 'step')}|join:{position}")
+
+
+def verdict(table: Tensor, contexts: Sequence[int]) -> tuple[str, int]:
+    """What a side-group exchange does, from its table alone (so every rank decides alike), and the running context.
+
+    FAIL: a worker sent its failure record. END: the last ranks to join sent "terminate". RETRY: the running ranks
+    agree on a step sync of the join's metrics, and some worker expected another one. GO: anything else (a mismatch
+    among running ranks is then raised by the plan, on every rank).
+    """
+    rows = table[:, :HEADER_LEN].tolist()
+    found = [row[H_CONTEXT] for row in rows]
+    if FAILED in found:
+        return FAIL, 0
+    if TERMINATE in found:
+        return END, 0
+    shadow = [bool(row[H_FLAGS] & FLAG_SHADOW) for row in rows]
+    running = {context for context, flag in zip(found, shadow) if not flag}
+    if len(running) == 1:
+        context = running.pop()
+        stale = any(flag and seen != context for seen, flag in zip(found, shadow))
+        if stale and context in contexts:
+            return RETRY, context
+        return GO, context
+    return GO, 0
+
+
+def _failed_ranks(table: Tensor) -> list[int]:
+    return [rank for rank, row in enumerate(table[:, H_CONTEXT].tolist()) if row == FAILED]
+
+
+def _failure_message(what: str, ranks: Sequence[int]) -> str:
+    return (
+        f"The Join worker that shadows the per-step syncs of {what} failed on rank"
+        f" {', '.join(map(str, ranks))} of its join group; see that rank's error. The job cannot go on: end it."
+    )
+
+
+def _cpu_defaults(metric: StockMetric) -> StateDict:
+    """The states of a rank with an empty batch, as plain CPU tensors (a fresh list for list states).
+
+    Made on the main thread: a copy off the GPU, or a tensor subclass's own code, must not run on the worker.
+    """
+    values: StateDict = {}
+    for name, value in metric._defaults.items():
+        values[name] = [] if isinstance(value, list) else value.detach().to("cpu", copy=True).as_subclass(Tensor)
+    return values
+
+
+def _terminate(side: Link) -> None:
+    """The last ranks to join end the workers: one "terminate" record; raise if a worker failed meanwhile."""
+    seen: list[Tensor] = []
+
+    def stop(table: Tensor) -> bool:
+        seen.append(table)
+        return True
+
+    engine.sync(engine.Request([], TERMINATE, "Join.terminate", stop=stop), side)
+    failed = _failed_ranks(seen[0])
+    if failed:
+        raise JoinShadowError(_failure_message(side.what, failed))
+
+
+# ------------------------------------------------------------------------------------------------- the worker
+class _Shadow:
+    """A joined rank's worker: answers the running ranks' per-step syncs of ``metrics`` until "terminate"."""
+
+    def __init__(self, metrics: Sequence[Metric], side: Link, contexts: list[int]) -> None:
+        self.metrics = list(metrics)
+        self.side = side
+        self.contexts = contexts
+        self.errors: list[BaseException] = []
+        self._values: list[StateDict] = []
+        self._start_error: Exception | None = None
+        self._thread: threading.Thread | None = None
+        self._next: dict[tuple[int, ...], int] = {}  # the last two contexts seen -> the one that followed
+        self._history: tuple[int, ...] = ()
+
+    @property
+    def started(self) -> bool:
+        """Whether the worker was started (this rank joined before the others were done)."""
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Snapshot the empty batches on this (the main) thread, then start the worker."""
+        try:
+            self._values = [_cpu_defaults(metric) for metric in self.metrics]
+        except Exception as err:  # raised by the worker, which sends the failure record the running ranks expect
+            self._start_error = err
+        self._thread = threading.Thread(target=self._work, name="torchmetrics-varlen-join", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the worker (it ends at the terminate record, or on a failure)."""
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+
+    def _guess(self) -> int:
+        if not self._history:
+            return 0
+        context = self._next.get(self._history, self._history[-1])
+        return self.contexts.index(context) if context in self.contexts else 0
+
+    def _work(self) -> None:
+        at_boundary = True  # no exchange of ours is half done: a whole failure record can still be sent
+        try:
+            if self._start_error is not None:
+                raise self._start_error
+            index = self._guess()
+            while True:
+                at_boundary = False
+                outcome, context = self._shadow_once(index)
+                at_boundary = True
+                if outcome == END:
+                    return
+                if outcome == RETRY:  # the running ranks sync another metric: correct the guess, send that one
+                    self._next[self._history] = context
+                    index = self.contexts.index(context)
+                    continue
+                self._next[self._history] = self.contexts[index]
+                self._history = (*self._history, self.contexts[index])[-2:]
+                index = self._guess()
+        except BaseException as err:
+            if isinstance(err, JoinShadowError):  # a peer's worker failed: its rank is named already
+                self.errors.append(err)
+                return
+            rank = self.side.rank
+            wrapped = JoinShadowError(
+                f"The Join worker that shadows the per-step syncs of {self.side.what} failed on rank {rank} of its join"
+                f" group: {type(err).__name__}: {err}"
+            )
+            wrapped.__cause__ = err
+            self.errors.append(wrapped)
+            if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
+                self._send_failure(rank)
+
+    def _shadow_once(self, index: int) -> tuple[str, int]:
+        """One exchange as a rank with an empty batch of metric ``index``: what the table said."""
+        metric = self.metrics[index]
+        seen: list[tuple[str, int]] = []
+        failed: list[int] = []
+
+        def stop(table: Tensor) -> bool:
+            outcome = verdict(table, self.contexts)
+            seen.append(outcome)
+            failed.extend(_failed_ranks(table) if outcome[0] == FAIL else [])
+            return outcome[0] != GO
+
+        empty = layout([metric], "step", [self._values[index]])
+        empty.context = self.contexts[index]
+        # The CPU, not the metric's device: the worker must never touch CUDA (its results are dropped anyway).
+        label = f"{type(metric).__name__}.step"
+        run(empty, self.side, label, FLAG_SHADOW, "step", stop=stop, device=torch.device("cpu"))
+        if failed:
+            raise JoinShadowError(_failure_message(self.side.what, failed))
+        return seen[0]
+
+    def _send_failure(self, rank: int) -> None:
+        """Send a record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch."""
+        try:
+            engine.sync(engine.Request([], FAILED, f"Join failed on rank {rank}", stop=lambda table: True), self.side)
+        except Exception:  # the original error is what gets reported
+            pass
+
+
+# ------------------------------------------------------------------------------------------------ the session
+class _Session:
+    """The metrics of one join on this rank: where their per-step syncs go, and the shadow of a joined rank.
+
+    The per-step syncs travel on the metrics' own process group until some rank has joined, then on the side group.
+    Every rank switches at the same sync because it decides from Join's own count of the running ranks: started at
+    the start of each iteration by the first joinable (on DDP's forward, where ``ddp`` is given; at each per-step
+    sync, for metrics alone), and read before the sync. A rank that joined is blocked in the matching all-reduce of
+    ``Join``, so the count drops below the group size at the first iteration it misses. Where the count cannot be
+    read (a model that is not DDP counts the ranks itself) the syncs use the side group from the first one.
     """
 
-    def __init__(self, session: _Session) -> None:
+    def __init__(self, metrics: Sequence[Metric], notifier: Any, ddp: Any, counted: bool) -> None:
+        for metric in metrics:
+            if metric.sync_grads:
+                raise RuntimeError(
+                    "Expected `sync_grads=False` for a metric inside `Join` but got True: a rank that ran out of"
+                    " data cannot shadow the backward pass of a differentiable gather. Use the default rank-local"
+                    " gradient (DDP then gives 1/world_size of the single-process gradient; scale the loss by the"
+                    " world size)."
+                )
+        self.metrics = [metric for i, metric in enumerate(metrics) if not any(metric is m for m in metrics[:i])]
+        self.notifier, self.ddp, self.counted = notifier, ddp, counted
+        first = self.metrics[0]
+        what = ", ".join(f"`{type(metric).__name__}`" for metric in self.metrics)
+        own = link(first.process_group, first.device, first.sync_timeout, f"join of {what}")
+        assert own is not None  # `join` makes a session only in a group to sync
+        self.own = own
+        # Made by every rank of the world the first time (each builds its join at the same point); kept after.
+        self.side = engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
+        self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
+        self.shadow = _Shadow(self.metrics, self.side, self.contexts)
+        self.joined = not counted
+        self.errors: list[BaseException] = []
+        self._pending: Any = None
+        self._handle = ddp.register_forward_pre_hook(self._on_forward) if ddp is not None else None
+        for metric in self.metrics:
+            metric._tv_join = self
+
+    def _on_forward(self, module: Any, args: Any) -> None:
+        # Runs instead of DDP's own notify (DDP is not the first joinable here), at the same point of its forward,
+        # and hands DDP the work as its own notify would.
+        work = engine.count_running(self.notifier)
+        if work is not None:
+            module.reducer._set_forward_pass_work_handle(work, module._divide_by_initial_world_size)
+            self._pending = work
+
+    def step_sync(self, metric: Metric, label: str) -> StateDict | None:
+        """A per-step sync of ``metric`` once some rank has joined (on the side group); else None."""
+        if not self.notifier._join_config.enable:
+            return None
+        if self.ddp is None and self.counted:
+            work = engine.count_running(self.notifier)
+            if work is not None:
+                self._pending = work
+        work, self._pending = self._pending, None
+        if work is not None and not self.joined:
+            self.joined = engine.running(work, self.own) < self.own.size
+        if not self.joined:
+            return None
+        position = next(index for index, member in enumerate(self.metrics) if member is metric)  # not `==`
+        side = replace(self.side, timeout=metric.sync_timeout, what=f"sync of {label}")
+        contexts = self.contexts
+
+        def stop(table: Tensor) -> bool:
+            return verdict(table, contexts)[0] == RETRY
+
+        while True:
+            step_layout = layout([metric], "step")
+            step_layout.context = contexts[position]
+            synced = run(step_layout, side, label, 0, "step", stop=stop)
+            if synced is not None:
+                break
+        reduced = reduce_results(step_layout, synced, step_layout.state_name)
+        return {name: value for (_, name), value in zip(step_layout.classes.keys, reduced)}
+
+    def detach(self) -> None:
+        """End the session: the metrics' per-step syncs go back to their own group, outside any join."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        for metric in self.metrics:
+            if metric._tv_join is self:
+                metric._tv_join = None
+
+
+class _Hook(JoinHook):
+    """The hooks of a :func:`join`: the metrics' main hook first, the model's post hook first; none raises."""
+
+    def __init__(self, session: _Session, model_hook: JoinHook | None) -> None:
         self.session = session
-
-    def main_hook(self) -> None:
-        """Start the shadowing worker on the first call; it runs until the terminate record."""
-        if not self.session.shadow.started:
-            self.session.shadow.start()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """Stop the workers: the ranks that never shadowed (the last joiners) send the terminate record."""
-        session = self.session
-        try:
-            if session.shadow.started:
-                session.shadow.join()
-            else:
-                _join_shadow.exchange_terminate(session.side, session.shadow.timeout, session.shadow.what)
-        except Exception as err:  # a raise here would skip the later hooks (DDP's final model broadcast)
-            session.errors.append(err)
-        if session.owned:
-            return
-        session.detach()
-        errors = session.all_errors()
-        if errors and not session.followed:
-            raise errors[0]
-        for problem in errors:
-            warnings.warn(f"{type(problem).__name__}: {problem}", RuntimeWarning, stacklevel=2)
-
-
-class _Silent(JoinHook):
-    """The hook of a plain ``Join``'s metrics after the first: the first one's hook shadows them all."""
-
-
-def _calling_join() -> Join | None:
-    """The ``Join`` whose constructor asks for our hook (it holds the list of joinables), if that is the caller."""
-    frame = inspect.currentframe()
-    for _ in range(6):  # join_hook <- (list comprehension) <- Join.__init__
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Join) and hasattr(candidate, "_joinables"):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-def _check_order(joinables: Sequence[Any]) -> None:
-    """Refuse another joinable's hook before a metric's: it would block before the metric's shadow starts."""
-    positions = [index for index, joinable in enumerate(joinables) if isinstance(joinable, JoinableMetric)]
-    before = [index for index, joinable in enumerate(joinables[: positions[-1]]) if index not in positions]
-    if before:
-        other, metric = joinables[before[0]], joinables[positions[-1]]
-        raise ValueError(
-            f"Expected the metrics before any other joinable in `Join` but got `{type(other).__name__}` (position"
-            f" {before[0]}) before `{type(metric).__name__}` (position {positions[-1]}). Join runs the hooks in list"
-            f" order, so `{type(other).__name__}`'s hook would block before the metric's hook starts shadowing its"
-            " per-step syncs (the job hangs). List the metrics first, `Join([metric, ddp_model], **kwargs)`, or use"
-            " `torchmetrics_varlen.join(ddp_model, metric, **kwargs)`."
-        )
-
-
-class JoinableMetric(Joinable):
-    """The :class:`~torch.distributed.algorithms.join.Joinable` side of :class:`~torchmetrics_varlen.Metric`."""
-
-    _join_session: _Session | None
-    process_group: Any
-    sync_grads: bool
-    sync_timeout: float | None
-
-    @property
-    def device(self) -> torch.device:
-        """The metric's device (torchmetrics.Metric provides it)."""
-        raise NotImplementedError
-
-    def _init_join(self) -> None:
-        # Joinable.__init__ is not reached through torchmetrics' constructor chain; this is what it would set.
-        from torch.distributed.algorithms.join import _JoinConfig
-
-        self._join_session = None
-        self._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[no-untyped-call]
-
-    def _join_state_for_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
-        # A session holds a thread and a process group, which cannot be copied: a copy starts outside any Join.
-        state = dict(state)
-        state["_join_session"] = None
-        if "_join_config" in state:
-            state["_join_config"] = state["_join_config"]._replace(enable=False)
-        return state
-
-    @property
-    def _join_group(self) -> Any:
-        """The side group of this metric's process group, once a Join made it; else None."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        return _join_shadow.cached_side_group(self.process_group)
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook of a plain ``Join``: the metrics listed first, then at most a model (DDP).
-
-        The first metric's hook shadows every metric of the list; the first metric counts the running ranks, on
-        DDP's forward when a DDP model follows, else at each per-step sync. A joinable listed before a metric is
-        refused with ``ValueError``: its hook would block before the metric's hook runs.
-        """
-        owner = _calling_join()
-        joinables: list[Any] = list(owner._joinables) if owner is not None else [self]
-        _check_order(joinables)
-        session = self._join_session
-        if session is not None and owner is not None and session.owner is owner:
-            return _Silent()
-        metrics = [joinable for joinable in joinables if isinstance(joinable, JoinableMetric)]
-        ddp = next((j for j in joinables if isinstance(j, DistributedDataParallel)), None)
-        session = _Session(metrics, metrics[0], ddp, counted=True, owned=False, followed=len(joinables) > len(metrics))
-        session.owner = owner
-        return MetricJoinHook(session)
-
-    def _join_step_sync(self, label: str) -> StateDict | None:
-        """A per-step sync inside Join once some rank has joined (on the side group); else None."""
-        session = self._join_session
-        if session is None or not session.enabled:
-            return None
-        side = session.step_group()
-        if side is None:
-            return None
-        position = next(index for index, metric in enumerate(session.metrics) if metric is self)  # not `==`
-        return _join_shadow.step_sync(
-            self,  # type: ignore[arg-type]
-            position,
-            side,
-            session.contexts,
-            label,
-            self.sync_timeout,
-        )
-
-    @property
-    def join_device(self) -> torch.device:
-        """Device of the tensors ``Join`` all-reduces to count the ranks that have not joined."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.device  # nothing to count without a process group (TorchScript reads every attribute)
-        return _policy.policy_for(self.process_group, self.device).device
-
-    @property
-    def join_process_group(self) -> Any:
-        """Process group ``Join`` counts the ranks on: the metric's own (the world by default)."""
-        return self.process_group if self.process_group is not None else dist.group.WORLD
-
-
-class _OrderedHook(JoinHook):
-    """The hooks of a :func:`join`: the metrics' main hook first, the model's post hook first; none raises first."""
-
-    def __init__(self, model_hook: JoinHook | None, metric_hook: MetricJoinHook) -> None:
         self.model_hook = model_hook
-        self.metric_hook = metric_hook
 
     def main_hook(self) -> None:
-        self.metric_hook.main_hook()  # it only starts a thread: the shadow must run before DDP's hook blocks
+        if not self.session.shadow.started:  # it only starts a thread: the shadow must run before DDP's hook blocks
+            self.session.shadow.start()
         if self.model_hook is not None:
             self.model_hook.main_hook()
 
@@ -227,7 +336,11 @@ class _OrderedHook(JoinHook):
             if self.model_hook is not None:  # DDP's final model broadcast: every rank must take part
                 self.model_hook.post_hook(is_last_joiner)
         finally:
-            self.metric_hook.post_hook(is_last_joiner)  # never raises here: `join` raises its errors on exit
+            session = self.session
+            try:  # the ranks that never shadowed (the last joiners) send the terminate record
+                session.shadow.join() if session.shadow.started else _terminate(session.side)
+            except Exception as err:  # a raise here would skip the later hooks; `join` raises it on exit
+                session.errors.append(err)
 
 
 class _JoinedGroup(Joinable):
@@ -237,29 +350,31 @@ class _JoinedGroup(Joinable):
     model) so that the metrics can read the count; a model that is not DDP counts them itself instead.
     """
 
-    def __init__(self, model: Joinable | None, metrics: list[JoinableMetric]) -> None:
+    def __init__(self, model: Joinable | None, metrics: list[Metric]) -> None:
         self.model = model
         self.metrics = metrics
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.counted = model is None or self.ddp is not None
         self.session: _Session | None = None
-        self.hook: _OrderedHook | None = None
         super().__init__()
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         model_hook = self.model.join_hook(**kwargs) if self.model is not None else None
         notifier = self if self.counted else self.model
-        self.session = _Session(self.metrics, notifier, self.ddp, self.counted, owned=True)
-        self.hook = _OrderedHook(model_hook, MetricJoinHook(self.session))
-        return self.hook
+        self.session = _Session(self.metrics, notifier, self.ddp, self.counted)
+        return _Hook(self.session, model_hook)
 
     @property
     def join_device(self) -> torch.device:
-        return (self.model or self.metrics[0]).join_device
+        if self.model is not None:
+            return self.model.join_device
+        return self.session.own.policy.device if self.session is not None else self.metrics[0].device
 
     @property
     def join_process_group(self) -> Any:
-        return (self.model or self.metrics[0]).join_process_group
+        if self.model is not None:
+            return self.model.join_process_group
+        return self.metrics[0].process_group if self.metrics[0].process_group is not None else dist.group.WORLD
 
     @property
     def _join_config(self) -> Any:
@@ -267,16 +382,13 @@ class _JoinedGroup(Joinable):
 
     @_join_config.setter
     def _join_config(self, config: Any) -> None:
-        # What each member needs of Join's config: "enable" for all, "first" only for a model that counts itself.
+        # A model that counts itself is the first joinable; otherwise this group is.
         self.__dict__["_join_config_value"] = config
-        first = config.is_first_joinable and not self.counted
         if self.model is not None:
-            self.model._join_config = config._replace(is_first_joinable=first)
-        for metric in self.metrics:
-            metric._join_config = config._replace(is_first_joinable=False)
+            self.model._join_config = config._replace(is_first_joinable=config.is_first_joinable and not self.counted)
 
 
-def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -> "_MetricJoin":
+def join(model: Joinable | Metric | None, *metrics: Metric, **join_kwargs: Any) -> "_MetricJoin":
     """Run a training loop in which ranks may run out of data: ``Join`` with the hooks in a safe order.
 
     Inside ``with join(ddp_model, metric, ...):`` a rank that ran out of batches leaves its loop; until every rank
@@ -289,9 +401,8 @@ def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -
     broadcast runs on every rank). The per-step syncs travel on the metrics' own process group until some rank has
     joined, then on a gloo side group. On exit, whatever happened, the metrics leave the join; an error of the
     shadowing thread is raised once ``Join`` finished. Every rank of the metrics' process group must enter the same
-    ``join`` (the first one on a process group makes its side group, with that group's ranks alone: each slice of a
-    ``DeviceMesh`` may run its own). A plain ``Join`` works too when it lists the metrics first
-    (``Join([metric, ddp_model])``); one that lists them after another joinable raises ``ValueError``.
+    ``join``; the first one on a process group makes its side group, with every rank of the world (each slice of a
+    ``DeviceMesh`` with its own group, at the same point).
 
     Args:
         model: the DDP model, another joinable (it then counts the running ranks itself, and the per-step syncs use
@@ -319,12 +430,12 @@ def join(model: Joinable | None, *metrics: JoinableMetric, **join_kwargs: Any) -
 class _MetricJoin:
     """The context manager :func:`join` returns."""
 
-    def __init__(self, model: Joinable | None, metrics: Sequence[JoinableMetric], join_kwargs: dict[str, Any]) -> None:
-        if isinstance(model, JoinableMetric):  # metrics alone: `join(metric, ...)`
+    def __init__(self, model: Joinable | Metric | None, metrics: Sequence[Metric], join_kwargs: dict[str, Any]) -> None:
+        if isinstance(model, Metric):  # metrics alone: `join(metric, ...)`
             metrics = (model, *metrics)
             model = None
         for metric in metrics:
-            if not isinstance(metric, JoinableMetric):
+            if not isinstance(metric, Metric):
                 raise TypeError(
                     f"Expected every metric of `join` to be a `torchmetrics_varlen.Metric` but got"
                     f" {type(metric).__name__}. List the members of a MetricCollection; rebase stock metrics first."
@@ -338,22 +449,22 @@ class _MetricJoin:
         self.join_kwargs = join_kwargs
         self._join: Join | None = None
         self._group: _JoinedGroup | None = None
-        # While inside, this rank is alive and runs its steps: a joined rank's shadow waiting for its next step sync
-        # (a rank-0 checkpoint save between steps) keeps waiting past `sync_timeout` (see _presence).
-        self._busy = contextlib.ExitStack()
 
     def __enter__(self) -> "_MetricJoin":
         if not (dist.is_available() and dist.is_initialized()):
             return self  # nothing to shadow: the body runs as it is
-        members: list[Any] = [*([self.model] if self.model is not None else []), *self.metrics]
-        if any(member.join_process_group != members[0].join_process_group for member in members[1:]):
+        groups = [metric.process_group or dist.group.WORLD for metric in self.metrics]
+        if self.model is not None:
+            groups.append(self.model.join_process_group)
+        if any(group is not groups[0] for group in groups[1:]):
             raise ValueError(
                 "Expected the model and the metrics of `join` on one process group but got several: Join counts the"
                 " running ranks on one group. Give the metrics the model's `process_group`."
             )
+        if link(groups[0], None, None, "join") is None:
+            return self  # a group of one: nothing to shadow
         self._group = _JoinedGroup(self.model, self.metrics)
         try:
-            self._busy.enter_context(_presence.busy("it runs its steps inside `join`"))
             self._join = Join([self._group], **self.join_kwargs)
         except BaseException:
             self._leave()
@@ -373,17 +484,16 @@ class _MetricJoin:
             session = self._session()
             if session is not None:
                 session.shadow.join(timeout=_SETTLE_SECONDS)
-            shadow = session.all_errors() if session is not None else []
-            if shadow:  # a blocked collective gave way because a peer failed: name the first cause
+            shadow = [*session.shadow.errors, *session.errors] if session is not None else []
+            if shadow:
                 raise JoinShadowError(str(shadow[0])) from err
             raise
         finally:
             self._leave()
         session = self._session()
-        if exc is None and session is not None:
-            errors = session.all_errors()
-            if errors:
-                raise errors[0]
+        errors = [*session.shadow.errors, *session.errors] if session is not None else []
+        if exc is None and errors:
+            raise errors[0]
 
     def _session(self) -> _Session | None:
         return self._group.session if self._group is not None else None
@@ -392,6 +502,3 @@ class _MetricJoin:
         session = self._session()
         if session is not None:
             session.detach()
-        self._busy.close()
-        for metric in self.metrics:
-            metric._join_config = metric._join_config._replace(enable=False)

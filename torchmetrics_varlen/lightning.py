@@ -8,9 +8,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
+from torchmetrics_varlen._sync.group import link
+from torchmetrics_varlen._sync.move import agree
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 
 try:
@@ -141,12 +142,14 @@ class ExactEvaluation(Callback):  # type: ignore[misc,valid-type]
 
     def _compare_counts(self, trainer: Any, counts: Sequence[float], what: str) -> str | None:
         """Every rank's step counts, exchanged in one small all-gather; a description when they differ."""
-        local = torch.tensor([-1 if c == float("inf") else int(c) for c in counts], dtype=torch.long)
-        gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).cpu()
-        table = gathered.reshape(-1, len(counts)) if len(counts) else gathered.reshape(-1, 0)
-        if len(table) < 2 or bool((table == table[0]).all()):
+        group = getattr(trainer.strategy, "process_group", None)  # Lightning's DDP strategies: the world
+        sync_link = link(group, trainer.strategy.root_device, None, f"the {what} check of ExactEvaluation")
+        if sync_link is None or not counts:
             return None
-        rows = [row.tolist() if len(counts) > 1 else row.item() for row in table]
+        table = agree([-1 if c == float("inf") else int(c) for c in counts], sync_link, what)
+        if all(row == table[0] for row in table):
+            return None
+        rows = [row if len(counts) > 1 else row[0] for row in table]
         per_rank = ", ".join(f"rank {rank}: {row}" for rank, row in enumerate(rows))
         return f"{what} per rank: {per_rank}"
 

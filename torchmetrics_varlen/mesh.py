@@ -4,13 +4,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
+from torchmetrics_varlen._sync.engine import flattened_group
 
 __all__ = ["mesh_group"]
-
-# Groups made for several mesh dimensions, per mesh and dimensions: making one is a collective of the whole world,
-# so it is done once and every later call (on every rank alike) returns the same group.
-_FLATTENED: dict[tuple[int, tuple[str, ...]], tuple[Any, Any]] = {}
 
 
 def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
@@ -62,14 +58,7 @@ def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
         )
     if len(wanted) == 1:
         return mesh.get_group(wanted[0])
-    key = (id(mesh), wanted)
-    cached = _FLATTENED.get(key)
-    if cached is not None and cached[0] is mesh:
-        return cached[1]
     # Ranks of every slice along `wanted`: the other dimensions first, the wanted ones last, flattened into rows.
     axes = [i for i, name in enumerate(names) if name not in wanted] + [names.index(name) for name in wanted]
     size = math.prod(mesh.mesh.shape[names.index(name)] for name in wanted)
-    slices = mesh.mesh.permute(axes).reshape(-1, size).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(slices)  # type: ignore[no-untyped-call]
-    _FLATTENED[key] = (mesh, group)
-    return group
+    return flattened_group(mesh, wanted, lambda: mesh.mesh.permute(axes).reshape(-1, size).tolist())

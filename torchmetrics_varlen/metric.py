@@ -5,7 +5,7 @@ import functools
 import importlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -16,11 +16,9 @@ from torchmetrics.utilities import distributed as _tm_distributed
 from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
 
-from torchmetrics_varlen import _transport, _waits
-from torchmetrics_varlen._cap import parse_cap
-from torchmetrics_varlen._state_sync import StateDict, sync_states
+from torchmetrics_varlen._sync.group import link, needs_sync, parse_cap, resolve_timeout
+from torchmetrics_varlen._sync.states import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
-from torchmetrics_varlen.join import JoinableMetric
 
 __all__ = ["Metric", "rebase"]
 
@@ -30,18 +28,6 @@ _OUR_GATHERS = (None, gather_all_tensors, _tm_distributed.gather_all_tensors)
 def is_coalescing_sync_fn(fn: Callable[..., Any] | None) -> bool:
     """True for the gathers the coalesced path replaces: ours, torchmetrics' default, or none given."""
     return fn in _OUR_GATHERS
-
-
-def resolve_timeout(sync_timeout: float | None) -> float | None:
-    """Constructor value, else ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT``, else None: the process group's own timeout.
-
-    0 or less becomes 0.0: no timer of ours (the backend's own timeout ends the wait; see "Where it runs").
-    """
-    if sync_timeout is None:
-        return _waits.default_timeout()
-    if isinstance(sync_timeout, bool) or not isinstance(sync_timeout, (int, float)):
-        raise ValueError(f"Expected `sync_timeout` to be a number of seconds or None but got {sync_timeout!r}")
-    return float(sync_timeout) if sync_timeout > 0 else 0.0
 
 
 def local_state_copy(metric: StockMetric) -> StateDict:
@@ -64,7 +50,7 @@ def set_states(metric: StockMetric, states: StateDict) -> None:
     vars(metric).update(states)
 
 
-class Metric(StockMetric, JoinableMetric):
+class Metric(StockMetric):
     """Base class for metrics that sync all their states at once and stay exact on uneven and empty ranks.
 
     Write a metric exactly as for :class:`torchmetrics.Metric` (``add_state``, ``update``, ``compute``) and subclass
@@ -80,14 +66,18 @@ class Metric(StockMetric, JoinableMetric):
       items that all have zero length keep their dtype and trailing dims.
     * **No double sync.** ``sync()`` holds until ``unsync()``: ``compute()`` in between returns the global value with no
       further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
-      ``compute()`` returns a valid cache at once, as stock does: each rank decides that alone, with no collective.
-      So a rank whose cache went stale (an ``update()`` on that rank only) syncs while the others do not, and after
-      ``sync_timeout`` it raises a ``SyncTimeoutError`` that names this case.
+    * **Never a value from another round.** In a process group, every ``compute()`` takes part in a sync: a rank
+      whose cached result is still valid says so in its record, and when every rank's is, the records are all that
+      move (one small collective) and each rank returns its cache; otherwise every rank syncs its current states, so
+      a rank that saw no data since its last ``compute()`` still gets this round's global value. (Stock torchmetrics
+      returns a valid cache without a collective: such a rank returns the last round's value while its peers wait,
+      and their next syncs pair with the wrong rounds.) Every rank must still call ``compute()`` alike: one called
+      on rank 0 only waits for the others, and raises ``SyncTimeoutError`` naming that case.
     * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
       :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
-      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` works
-      with the metrics listed first (``Join([metric, ddp_model])``) and raises ``ValueError`` when another joinable
-      comes before a metric. ``dist_reduce_fx="mean"`` states would count the empty ranks.
+      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` of a
+      metric raises ``TypeError`` saying to use ``torchmetrics_varlen.join``. ``dist_reduce_fx="mean"`` states would
+      count the empty ranks.
     * **Clear failures.** Ranks syncing different metrics, layouts or phases, or holding data that cannot be combined
       (another dtype, a ``cat`` state whose dims after the first differ), raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together, naming the state and each rank's shape and dtype;
@@ -97,9 +87,9 @@ class Metric(StockMetric, JoinableMetric):
     Args:
         sync_timeout: seconds to wait for the other ranks at a sync before raising ``SyncTimeoutError``. None takes
             ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` from the environment, else the process group's own timeout (the
-            ``timeout`` it was created with); never longer than that. A peer that is alive and busy (computing in
-            ``compute_on_rank``, running steps inside ``join``) is waited for up to the group's timeout. 0 sets no
-            timer of ours: the backend's own timeout ends the wait.
+            ``timeout`` it was created with); never longer than that. Where a peer is known to be busy (the result
+            of ``compute_on_rank``, a ``join``'s worker waiting for the next step) the wait is the group's timeout.
+            0 sets no timer of ours: the backend's own timeout ends the wait.
         sync_grads: gather states differentiably across ranks, so gradients reach every rank's inputs (see the
             "Metrics as losses" docs page). Every rank must then run the backward pass.
         sync_cap: the most bytes one collective of a sync moves, and how large its padded gather buffer may grow
@@ -127,16 +117,6 @@ class Metric(StockMetric, JoinableMetric):
         tensor(0.2500)
     """
 
-    # TorchScript compiles a module's properties unless told not to; ours reach torch.distributed (and exist for Join,
-    # not for scripting), so a scripted metric keeps working exactly where a stock one does.
-    __jit_unused_properties__: ClassVar[list[str]] = [
-        *StockMetric.__jit_unused_properties__,
-        "join_device",
-        "join_process_group",
-        "_join_group",
-        "_join_config",
-    ]
-
     def __init__(
         self,
         *,
@@ -152,10 +132,25 @@ class Metric(StockMetric, JoinableMetric):
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
         self.sync_cap = parse_cap(sync_cap, "sync_cap") if sync_cap is not None else None
-        self._init_join()
+        self._tv_join: Any = None  # the join whose worker shadows this metric's per-step syncs (``join``)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self._join_state_for_pickle(super().__getstate__())
+        state = dict(super().__getstate__())
+        state["_tv_join"] = None  # a join holds a thread and a process group: a copy starts outside any join
+        return state
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refuse a plain :class:`torch.distributed.algorithms.join.Join` of a metric: use :func:`~.join` instead.
+
+        Raises:
+            TypeError: always, saying what to use.
+        """
+        raise TypeError(
+            f"Expected `torchmetrics_varlen.join(ddp_model, metric)` around a loop with uneven steps but got"
+            f" `Join([..., {type(self).__name__}, ...])`: a metric is not a joinable of its own. Use"
+            " `with torchmetrics_varlen.join(ddp_model, metric): ...`, which builds the `Join` with the hooks in a"
+            " safe order."
+        )
 
     # ----------------------------------------------------------------------------------------------------- sync
     def _sync_phase(self) -> str:
@@ -166,30 +161,38 @@ class Metric(StockMetric, JoinableMetric):
         if dist_sync_fn not in _OUR_GATHERS:  # see `is_coalescing_sync_fn`
             super()._sync_dist(dist_sync_fn, process_group=process_group)
             return
-        self._apply_synced(self._exchange(process_group))
+        attrs = vars(self)
+        cached = attrs.pop("_tv_cached", False)  # set by `compute()` for its own sync (see `_wrap_compute`)
+        states = self._exchange(process_group, cached)
+        if states is None:  # every rank's cached result is valid: nothing but the records moved
+            attrs["_tv_kept_cache"] = True
+            return
+        self._apply_synced(states)
 
-    def _exchange(self, process_group: Any) -> StateDict:
+    def _exchange(self, process_group: Any, cached: bool = False) -> StateDict | None:
         group = process_group or self.process_group
         phase = self._sync_phase()
         label = f"{type(self).__name__}.{phase}"
-        if phase == "step":  # inside Join, once some rank has joined: on the side group, shadowed by that rank
-            joined = self._join_step_sync(label)
+        if phase == "step" and self._tv_join is not None:  # inside `join`, once some rank has joined: the side group
+            joined = self._tv_join.step_sync(self, label)
             if joined is not None:
-                return joined
+                return joined  # type: ignore[no-any-return]
+        sync_link = link(group, self.device, self.sync_timeout, f"sync of {label}")
+        if sync_link is None:
+            return None if cached else {}
         differentiable = self.sync_grads and torch.is_grad_enabled()
-        return sync_states(
-            [self], group, phase=phase, label=label, timeout=self.sync_timeout, differentiable=differentiable
-        )[0]
+        synced = sync_states([self], sync_link, phase=phase, label=label, differentiable=differentiable, cached=cached)
+        return None if synced is None else synced[0]
 
     def _apply_synced(self, states: StateDict) -> None:
         set_states(self, states)
 
     def _distributed(self, distributed_available: Callable[[], bool] | None = None) -> bool:
         available = distributed_available or self.distributed_available_fn
-        # torchmetrics' default asks what `world_of` asks first: every sync asks, so once
+        # torchmetrics' default asks what the registry asks first: every sync asks, so once
         if available is not _tm_metric.jit_distributed_available and not (callable(available) and available()):
             return False
-        return _transport.world_of(self.process_group) is not None  # a group of one has nothing to sync
+        return needs_sync(self.process_group)  # a group of one has nothing to sync
 
     def sync(
         self,
@@ -259,14 +262,20 @@ class Metric(StockMetric, JoinableMetric):
                     " which may lead to errors, as metric states have not yet been updated.",
                     UserWarning,
                 )
-            # A valid cache is returned at once, with no collective, as stock does: `compute()` on rank 0 only after
-            # every rank computed is legal. A rank whose cache went stale while the others' stayed valid then waits
-            # alone, and its SyncTimeoutError names that case.
-            if self._computed is not None:
-                return self._computed
             collective = self._to_sync and not self._is_synced and self._distributed()
+            cached = self._computed is not None
+            if cached and not (collective and self.dist_sync_fn in _OUR_GATHERS):
+                return self._computed  # no sync of ours: a valid cache is local, as with stock
             if collective:
-                self.sync(self.dist_sync_fn)  # through `_sync_dist`, so a subclass's override is honoured
+                attrs = vars(self)
+                attrs["_tv_cached"] = cached  # every rank says whether its cache is valid (see `_sync_dist`)
+                try:
+                    self.sync(self.dist_sync_fn)  # through `_sync_dist`, so a subclass's override is honoured
+                finally:
+                    attrs.pop("_tv_cached", None)
+                if attrs.pop("_tv_kept_cache", False):  # every rank's cache is valid: it is the global value
+                    self.unsync(should_unsync=self._should_unsync)
+                    return self._computed
             try:
                 value = self._finish(compute(*args, **kwargs))
             finally:
@@ -330,7 +339,7 @@ def _rebased_meta(meta: type) -> type:
 
 
 # Stock `_sync_dist` overrides that only gather object list states with `all_gather_object` after the usual sync.
-_OBJECT_GATHERING_SYNCS = {("torchmetrics.detection.mean_ap", "MeanAveragePrecision._sync_dist")}
+_OBJECT_GATHERING_SYNCS = frozenset({("torchmetrics.detection.mean_ap", "MeanAveragePrecision._sync_dist")})
 
 
 def _gathers_objects_itself(metric_cls: type) -> bool:

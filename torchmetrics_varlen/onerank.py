@@ -1,6 +1,6 @@
 """One-rank compute: gather the states to one rank only, compute there, broadcast the result to every rank.
 
-The protocol is the one of every other sync (see :mod:`torchmetrics_varlen._protocol`), with the data exchange
+The protocol is the one of every other sync (see "How the sync works"), with the data exchange
 replaced by a gather to the destination rank:
 
 1. every rank describes its states and the records are all-gathered, so every rank reaches the same plan, raises the
@@ -8,9 +8,10 @@ replaced by a gather to the destination rank:
 2. every rank packs its states into one ``uint8`` buffer of the agreed transfer size, and ``torch.distributed.gather``
    moves the buffers to the destination rank only; states whose largest rank holds many bytes (or past the transfer
    cap) move instead by ``all_to_all_single`` calls in which one rank sends to the destination alone, so the
-   destination receives the true sizes (the engine's one-rank data step, :mod:`torchmetrics_varlen._engine`);
+   destination receives the true sizes (the engine's one-rank data step);
 3. the destination rank unpacks and reduces the states exactly as a normal sync does, computes, and sends the outcome
-   (the value, or the exception it raised) to every rank (``_transport.broadcast_bytes``).
+   (the value, or the exception it raised) to every rank (the engine's ``share``). The other ranks wait for it up to
+   the group's own timeout (the destination is busy computing, not missing), whatever ``sync_timeout`` says.
 
 The other ranks never hold more than their own states and one transfer buffer, so metrics whose states grow with the
 data set (AUROC, retrieval, ``cat`` states in general) can be computed on large evaluation sets without every rank
@@ -20,14 +21,17 @@ holding the whole set. This module calls no collective itself.
 import io
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen import _engine, _policy, _presence, _transport, _waits
-from torchmetrics_varlen._state_sync import Layout, reduce_results, run_layout, sync_layout
+from torchmetrics_varlen._sync import engine, move
+from torchmetrics_varlen._sync.group import Link, default_timeout, link
+from torchmetrics_varlen._sync.record import FLAG_CACHED
+from torchmetrics_varlen._sync.states import Layout, every_rank_cached, layout, reduce_results, run
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["compute_on_rank"]
@@ -48,8 +52,8 @@ def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
       metric's device, without autograd history.
     * Works with stock torchmetrics metrics and :class:`~torchmetrics_varlen.Metric` subclasses, on uneven and empty
       ranks. The metric's own ``dist_sync_fn`` is not used.
-    * The ``compute()`` cache is honoured: a valid cached result is returned at once, with no collective, as
-      ``compute()`` does. The result is cached as ``compute()`` would cache it.
+    * The ``compute()`` cache takes part as in ``compute()``: when every rank's cached result is valid, only the
+      records move and it is returned. The result is cached as ``compute()`` would cache it.
     * An error while computing on ``dst`` is raised on every rank (same type and message), never a hang.
     * Without a process group, in a group of one, with ``sync_on_compute=False``, or on a metric already synced by
       ``sync()``, this is ``metric.compute()``.
@@ -96,13 +100,16 @@ def _check_dst(dst: Any, world_size: int | None) -> int:
 def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) -> Any:
     """:func:`compute_on_rank` with the fallback ``local`` called when no sync is needed (shared with IndexedMetric)."""
     group = metric.process_group
-    world = _transport.world_of(group)
-    _check_dst(dst, world[1] if world is not None else None)
-    if world is None or not metric._to_sync or metric._is_synced or not metric.distributed_available_fn():
+    timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else default_timeout()
+    phase = f"onerank{dst}." + ("compute" if metric._should_unsync else "step")
+    label = f"{type(metric).__name__}.{phase}"
+    # The backend and device come from the metric's device, never from the states (a rank whose list states are
+    # empty would pick another backend of a "cpu:gloo,cuda:nccl" group).
+    sync_link = link(group, metric.device, timeout, f"sync of {label}")
+    _check_dst(dst, sync_link.size if sync_link is not None else None)
+    if sync_link is None or not metric._to_sync or metric._is_synced or not metric.distributed_available_fn():
         return local()
-    if metric._computed is not None and metric.compute_with_cache:
-        return metric._computed  # a valid cache is local, as for compute()
-    rank, _ = world
+    cached = metric._computed is not None and metric.compute_with_cache
     if metric._update_count == 0:  # `update_called` is deprecated in torchmetrics
         warnings.warn(
             f"The ``compute`` method of metric {type(metric).__name__} was called before the ``update`` method"
@@ -110,21 +117,16 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
             UserWarning,
             stacklevel=3,
         )
-    # dst is part of what is synced: ranks that disagree on it raise SyncMismatchError instead of pairing wrongly.
-    phase = f"onerank{dst}." + ("compute" if metric._should_unsync else "step")
-    label = f"{type(metric).__name__}.{phase}"
-    timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else _waits.default_timeout()
-    layout = sync_layout([metric], phase)
-    synced = run_layout(layout, group, label=label, timeout=timeout, dst=dst)
-    assert synced is not None  # no `stop` given
-    outcome = None
-    if rank == dst:  # the others wait at the broadcast meanwhile: tell them this rank is alive and busy, not missing
-        with _presence.busy(f"it computes {label} (`compute_on_rank`)"):
-            outcome = _compute_here(metric, layout, synced)
-    # The broadcast's backend and device come from the metric's device, like the gather's: never from the states
-    # (a rank whose list states are empty would pick another backend of a "cpu:gloo,cuda:nccl" group).
-    policy = _policy.policy_for(group, layout.device, _engine.first_device(layout.entries))
-    ok, value = _share_outcome(outcome, dst, group, policy, metric, timeout)
+    # dst is part of what is synced (the phase): ranks that disagree on it raise instead of pairing wrongly.
+    sync_layout = layout([metric], phase)
+    flags = FLAG_CACHED if cached else 0
+    synced = run(sync_layout, sync_link, label, flags, dst=dst, stop=every_rank_cached)
+    if synced is None:  # every rank's cached result is valid: it is the global value
+        return metric._computed
+    outcome = _compute_here(metric, sync_layout, synced) if sync_link.rank == dst else None
+    # The others wait for the destination's result up to the group's own timeout: it is computing, not missing.
+    shared = replace(sync_link, timeout=None)
+    ok, value = _share_outcome(outcome, dst, shared, metric)
     if not ok:
         raise value
     if metric.compute_with_cache:
@@ -132,15 +134,14 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     return value
 
 
-def _compute_here(metric: StockMetric, layout: Layout, synced: "_engine.Synced") -> tuple[bool, Any]:
+def _compute_here(metric: StockMetric, sync_layout: Layout, synced: engine.Synced) -> tuple[bool, Any]:
     """On the destination rank: reduce the gathered states and compute; any error becomes the outcome.
 
     The gathered buffers are dropped as the states are reduced, so that they are not alive while the metric computes.
     """
     try:
-        names = [name for _, name in layout.keys]
-        where = layout.state_name
-        states = dict(zip(names, reduce_results(layout, synced, where)))
+        names = [name for _, name in sync_layout.classes.keys]
+        states = dict(zip(names, reduce_results(sync_layout, synced, sync_layout.state_name)))
         saved = {name: getattr(metric, name) for name in names}
         try:
             for name in names:
@@ -204,16 +205,11 @@ def _loads(data: bytes) -> Any:
 
 
 def _share_outcome(
-    outcome: tuple[bool, Any] | None,
-    dst: int,
-    group: Any,
-    policy: _policy.TransportPolicy,
-    metric: StockMetric,
-    timeout: float | None,
+    outcome: tuple[bool, Any] | None, dst: int, sync_link: Link, metric: StockMetric
 ) -> tuple[bool, Any]:
     """Send the destination rank's outcome to every rank; the destination keeps its own objects."""
     data = _encode_outcome(outcome) if outcome is not None else None
-    received = _transport.broadcast_bytes(data, dst, group, policy.device, policy.wait, timeout)
+    received = move.share(data, dst, sync_link)
     if outcome is not None:
         return outcome
     ok, value = _loads(received)

@@ -1,6 +1,7 @@
 """Logged scalars (losses, accuracies, counters), reduced exactly across ranks in one collective."""
 
 import functools
+import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,8 +11,9 @@ import torch
 from torch import Tensor
 from torchmetrics.utilities import rank_zero_warn
 
-from torchmetrics_varlen import _cap, _policy, _transport
-from torchmetrics_varlen import _scalar_record as _rec
+from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync import scalar_codec as _rec
+from torchmetrics_varlen._sync.group import link, sent_cap
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.metric import Metric
 
@@ -94,6 +96,16 @@ class ScalarLog(Metric):
         for key in keys:
             if not isinstance(key, str):
                 raise TypeError(f"Expected the keys of `values` to be str but got {key!r}")
+            if key not in self._acc.index:  # a new key: its name travels in UTF-8, checked here on this rank
+                try:
+                    key.encode()
+                except UnicodeEncodeError as err:
+                    raise ValueError(
+                        f"Expected the keys of `values` to be encodable in UTF-8 (their names travel so) but got"
+                        f" {key!r} ({err.reason} at position {err.start}): decode file names with"
+                        " `os.fsdecode(...).encode('utf-8', 'surrogateescape').decode('utf-8', 'replace')`, or pick"
+                        " another name."
+                    ) from err
         weights = [weight.get(key, 1) for key in keys] if isinstance(weight, Mapping) else [weight] * len(keys)
         both = _host_floats([values[key] for key in keys] + weights, keys)  # one copy per device for both
         v, w = both[: len(keys)], both[len(keys) :]
@@ -130,20 +142,19 @@ class ScalarLog(Metric):
         self._global = None
 
     def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
-        group = process_group or self.process_group
         label = f"{type(self).__name__}.compute"
-        what = f"sync of {label}"
-        cap = self.sync_cap if self.sync_cap is not None else _cap.resolve_cap()
-        policy = _policy.policy_for(group, self.device, None)
-        record = _rec.make_record(self._acc, self._layout, self._named, label, cap)
-        state = _transport.group_state(group)
-        before = (state.words, state.longest, state.left)
-        exchanged = _transport.exchange_records(record, group, policy.device, policy.wait, self.sync_timeout, what)
-        table = exchanged.numpy()
-        _rec.check_table(table, what)
-        new_names, new_codes, results, next_words = _rec.reduce_table(table, self._layout, what)
+        sync_link = link(process_group or self.process_group, self.device, self.sync_timeout, f"sync of {label}")
+        if sync_link is None:
+            return
+        record = _rec.make_record(self._acc, self._layout, self._named, label, sent_cap(self.sync_cap))
+
+        def decode(table: Any) -> tuple[tuple[list[str], list[int], dict[str, float]], int]:
+            _rec.check_table(table, sync_link.what)
+            new_names, new_codes, results, next_words = _rec.reduce_table(table, self._layout, sync_link.what)
+            return (new_names, new_codes, results), next_words
+
+        new_names, new_codes, results = engine.exchange(list(record), sync_link, decode)
         self._layout.extend(new_names, new_codes)
-        _rec.settle(group, before, next_words)
         self._named.update(self._acc.index)
         self._global = results
 
@@ -228,11 +239,13 @@ def _host_floats(items: list[Any], keys: list[str]) -> Any:
                     f" {tuple(item.shape)} and dtype {item.dtype}"
                 )
             by_device.setdefault(item.device, []).append(i)
-        elif isinstance(item, (int, float)) and not isinstance(item, complex):
+        elif isinstance(item, numbers.Real):  # Python and numpy numbers (numpy registers its own as Real)
             out[i] = float(item)
         else:
             raise TypeError(f"Expected `{what}` of key {key!r} to be a float, int or 0-d tensor but got {item!r}")
     for at in by_device.values():
-        stacked = torch.stack([items[i].detach().reshape(()) for i in at]).to(torch.float64)
+        # Each to float64 first: stacking first would round every item to their common dtype (a bf16 loss beside
+        # an int64 count of 1,000,003 made it 999,424).
+        stacked = torch.stack([items[i].detach().reshape(()).to(torch.float64) for i in at])
         out[at] = stacked.cpu().numpy()  # one device-to-host copy per device and update
     return out

@@ -1,18 +1,19 @@
 """Refusals every rank raises alike from the exchanged records, and the text that says why.
 
 The checks themselves read the ``[world_size, words]`` table that every rank holds alike (see
-:mod:`torchmetrics_varlen._protocol`), so every rank raises the same `SyncMismatchError` (or `ValueError`) at the same
+:mod:`.record`), so every rank raises the same `SyncMismatchError` (or `ValueError`) at the same
 step and none is left waiting in a collective. ``check_headers`` runs first, on the headers; the plan raises through
-``raise_uneven`` and ``refuse_host_grad`` once it has read the entries (see :mod:`torchmetrics_varlen._plan`). Each
+``raise_uneven`` and ``refuse_host_grad`` once it has read the entries (see :mod:`.plan`). Each
 message names what differs and lists each rank's value (``rank_lines``).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._protocol import (
+from torchmetrics_varlen._sync.record import (
     DTYPES,
     E_DIMS,
     E_DTYPE,
@@ -47,21 +48,24 @@ from torchmetrics_varlen._protocol import (
     MAX_NDIM,
     REDUCE_FLAGS,
     REDUCE_MASK,
+    decode_text,
     object_detail,
     record_words,
     unpack_slots,
 )
 from torchmetrics_varlen.errors import SyncMismatchError
 
-# What a rank's local problem (``H_ERROR``, found by ``_protocol.describe``) is, in a message.
-_ERROR_TEXT = {
-    ERR_DIM: f"a tensor with a dimension larger than {MAX_DIM} (flatten it, or use a `cat` list state)",
-    ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
-    ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
-    ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
-    ERR_LAYOUT: "a sparse or otherwise non-strided tensor",
-    ERR_DTYPE: "a tensor of a dtype the protocol cannot carry",
-}
+# What a rank's local problem (``H_ERROR``, found by ``record.describe``) is, in a message.
+_ERROR_TEXT = MappingProxyType(
+    {
+        ERR_DIM: f"a tensor with a dimension larger than {MAX_DIM} (flatten it, or use a `cat` list state)",
+        ERR_NDIM: f"a tensor with more than {MAX_NDIM} dimensions",
+        ERR_LIST_DTYPE: "a list state whose tensors have different dtypes",
+        ERR_NOT_TENSOR: "a list state holding something that is not a tensor",
+        ERR_LAYOUT: "a sparse or otherwise non-strided tensor",
+        ERR_DTYPE: "a tensor of a dtype the protocol cannot carry",
+    }
+)
 
 
 def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None = None) -> None:
@@ -133,8 +137,8 @@ def _raise_unpicklable(table: Tensor, rank: int, entry: int, name: str, what: st
 class ObjectsBesideTensorsError(SyncMismatchError):
     """Some ranks hold objects in a list state where others hold tensors only: every rank sends it again as objects.
 
-    Raised alike on every rank from the exchanged records, before any data moves; ``_state_sync.run_layout`` catches
-    it and syncs once more with those states encoded as objects on every rank (see ``_objects``). Only a caller that
+    Raised alike on every rank from the exchanged records, before any data moves; the states layer catches it and
+    syncs once more with those states encoded as objects on every rank (see :mod:`.objects`). Only a caller that
     cannot do so sees it, as the mismatch it is.
     """
 
@@ -148,7 +152,7 @@ class ObjectsBesideTensorsError(SyncMismatchError):
 
 
 def refuse_host_grad(what: str, ranks: list[int]) -> None:
-    """Raise on every rank: a differentiable sync of CPU tensors in a process that uses CUDA (see ``_policy``)."""
+    """Raise on every rank: a differentiable sync of CPU tensors in a process that uses CUDA (see :mod:`.group`)."""
     raise ValueError(
         f"{what}: expected the tensors of a differentiable sync (`sync_grads=True` in grad mode) on the device the"
         f" gradients come from, but ranks {ranks} hold them on the CPU while their process uses CUDA. Their backward"
@@ -207,7 +211,7 @@ def rank_lines(table: Tensor, entry: int | None = None) -> str:
     """One line per rank saying what it synced (and, with ``entry``, what it held there): error messages."""
     lines = []
     for rank, row in enumerate(table.tolist()):
-        text = f"  rank {rank}: {_decode_label(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
+        text = f"  rank {rank}: {decode_text(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
         if entry is not None and entry < row[H_N] and len(row) >= record_words(entry + 1):
             packed = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
             slot = unpack_slots(torch.tensor(packed, dtype=torch.int64)).tolist()
@@ -226,11 +230,6 @@ def rank_lines(table: Tensor, entry: int | None = None) -> str:
 def dtype_name(code: int) -> str:
     """Readable name of a dtype code, for error messages."""
     return str(DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(DTYPES) else "-"
-
-
-def _decode_label(words: Sequence[int]) -> str:
-    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words)
-    return raw.rstrip(b"\0").decode(errors="replace")
 
 
 def memory_message(what: str, failing: list[int], nbytes: int, failure: BaseException | None, rank: int) -> str:

@@ -1,9 +1,9 @@
 """Logged scalars: the local accumulators, the key layout the ranks agree on, and the record that carries both.
 
-A :class:`~torchmetrics_varlen.ScalarLog` sync is one metadata exchange of the engine's transport
-(``_transport.exchange_records``: the group's agreed record length, its timeouts and the errors naming missing
-ranks). Its record is a protocol header with no entries (so a rank syncing a metric at the same step raises
-`SyncMismatchError` alike, through ``_mismatch.check_headers``) followed by:
+A :class:`~torchmetrics_varlen.ScalarLog` sync is one request of the engine that brings its own record
+(:func:`.engine.exchange`: the group's agreed record length, its timeouts and the errors naming missing ranks). Its
+record is a protocol header with no entries (so a rank syncing a metric at the same step raises `SyncMismatchError`
+alike, through ``mismatch.check_headers``) followed by:
 
 * ``S_FP``, ``S_K``, ``S_NEW``, ``S_ERR``, ``S_SPARSE``: the fingerprint and length of the key layout this rank
   holds, how many keys it names for the first time, a local problem, and how its layout keys travel;
@@ -17,8 +17,8 @@ ranks). Its record is a protocol header with no entries (so a rank syncing a met
 Every rank decodes the same table, extends the layout alike (new names in rank order) and reduces every key over
 the ranks in the same order, in float64: the results are identical on every rank. A record within the group's
 agreed length is the whole sync: one collective. One that is longer (new keys, more keys than the group's records
-have room for) makes every rank exchange again at the longest length, which the group keeps (see
-:mod:`torchmetrics_varlen._transport`).
+have room for) makes every rank exchange again at the longest length; the engine then sizes the group's next record
+for the same keys (names travel once).
 """
 
 import array
@@ -32,14 +32,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from torchmetrics_varlen import _protocol, _transport
-from torchmetrics_varlen._mismatch import check_headers
+from torchmetrics_varlen._sync import record as _protocol
+from torchmetrics_varlen._sync.mismatch import check_headers
+from torchmetrics_varlen._sync.record import MAX_WORDS
 from torchmetrics_varlen.errors import SyncMismatchError
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 MEAN, SUM, MAX, MIN = 1, 2, 3, 4  # reduction codes as they travel (0: none)
 WIDTH = np.array([0, 2, 1, 1, 1], dtype=np.int64)  # float64 words per key, by code
 FIRST = np.array([0.0, 0.0, 0.0, -math.inf, math.inf])  # the identity of each code's first word
+WIDTH.flags.writeable = FIRST.flags.writeable = False  # read-only tables
 CONTEXT = _protocol.context_hash("torchmetrics_varlen.ScalarLog|compute")
 S_FP, S_K, S_NEW, S_ERR, S_SPARSE = range(_protocol.HEADER_LEN, _protocol.HEADER_LEN + 5)
 PAYLOAD = S_SPARSE + 1
@@ -150,12 +152,11 @@ def make_record(acc: Accumulator, layout: Layout, named: "set[str]", label: str,
     fresh_values = _packed(acc.first[at], acc.weight[at], acc.codes[at])
     sparse, *known = _known_words(acc, layout, named)
     body = [*known, heads, _words(b"".join(encoded)), fresh_values.view(np.int64)]
-    header = _protocol.describe([], CONTEXT, label, cap=cap)
     total = PAYLOAD + sum(len(part) for part in body)
     error = 0
-    if total > _transport.MAX_WORDS:  # every rank raises, naming this one, from the first exchange
+    if total > MAX_WORDS:  # every rank raises, naming this one, from the first exchange
         body, total, error = [], PAYLOAD, ERR_TOO_LONG
-    header[_protocol.H_WORDS] = total
+    header = _protocol.header(CONTEXT, label, 0, 0, total, cap)
     record = array.array("q", [*header, layout.fingerprint, len(layout.names), len(fresh), error, int(sparse[0])])
     for part in body:
         record.frombytes(np.ascontiguousarray(part, dtype=np.int64).tobytes())
@@ -168,7 +169,7 @@ def check_table(table: Array, what: str) -> None:
     too_long = np.flatnonzero(table[:, S_ERR] == ERR_TOO_LONG).tolist()
     if too_long:
         raise SyncMismatchError(
-            f"{what}: expected each rank's logged scalars to fit one record of {_transport.MAX_WORDS} words but ranks"
+            f"{what}: expected each rank's logged scalars to fit one record of {MAX_WORDS} words but ranks"
             f" {too_long} hold more keys than that. Log fewer keys per window (or split them over two ScalarLogs)."
         )
     agreed = table[:, [S_FP, S_K]]
@@ -184,7 +185,7 @@ def check_table(table: Array, what: str) -> None:
 def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], list[int], dict[str, float], int]:
     """Every key updated on some rank, reduced over the ranks; the layout is left unchanged.
 
-    Returns the keys new to the layout and their codes, the results, and the next record's length (``settle``).
+    Returns the keys new to the layout and their codes, the results, and the next record's length.
     """
     world, k = table.shape[0], len(layout.names)
     words = np.tile(layout.identity(), (world, 1))
@@ -297,25 +298,6 @@ def _reduce(words: Array, present: Array, layout: Layout) -> dict[str, float]:
         out[codes == MIN] = first[:, codes == MIN].min(axis=0)
     keep = np.flatnonzero(present.any(axis=0))
     return {layout.names[i]: float(out[i]) for i in keep.tolist()}
-
-
-def settle(group: Any, before: tuple[int, int, int], words: int) -> None:
-    """Size the group's agreed record length for the next window of the same keys (``words``), on every rank alike.
-
-    ``before``: the group's ``(words, longest, left)`` before this sync. A record that carried names made the engine
-    keep its length; the next window's record of the same keys is ``words`` long (names travel once), so the group
-    goes back to what it agreed before, or ``words`` if that is longer: the next ``compute()`` is one collective, and
-    the other syncs of the group do not carry the names' room for 64 syncs. When this sync closed the engine's window
-    of syncs (``left`` starts again) the engine's own choice stands, grown to ``words``. Every input comes from the
-    exchanged tables, so every rank decides alike.
-    """
-    state = _transport.group_state(group)
-    if words > _transport.MAX_WORDS:
-        return
-    if state.left < before[2]:  # the same window of the engine: undo what the names' room added
-        state.words, state.longest = max(before[0], words), max(before[1], words)
-    else:
-        state.words, state.longest = max(state.words, words), max(state.longest, words)
 
 
 def local_results(acc: Accumulator) -> dict[str, float]:

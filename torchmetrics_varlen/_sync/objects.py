@@ -2,14 +2,15 @@
 
 A list state may hold any picklable objects (strings, bytes, tuples, dicts, numpy arrays, RLE masks), alone or mixed
 with tensors. Before the metadata exchange, :func:`encode` turns such a rank's list into an
-:class:`~torchmetrics_varlen._protocol.ObjectList`: one pickle of the whole list (one ``uint8`` item), preceded by the
+:class:`~.record.ObjectList`: one pickle of the whole list (one ``uint8`` item), preceded by the
 bytes of every tensor inside it, each one ``uint8`` item viewed from the tensor where it lives (pickle's
 ``reducer_override`` takes them out, so a tensor never goes through pickle and keeps its dtype, shape and device). Its
 slot says "objects" (``OBJECT_ITEMS``), so every rank, an empty one too, learns from the exchanged records which
 ranks' pieces to load; the items then travel as any list state's (the padded gather, the broadcast route, only the
 destination of ``compute_on_rank``), and :func:`decode_results` loads them after the sync. An item pickle refuses is
 reported in the record (``ObjectFailure``): every rank raises before any data moves. A pickle that fails to load is
-known to the rank that loads it only, so a sync that moved objects ends with one tiny agreement (:func:`agree`).
+known to the rank that loads it only, so a sync that moved objects ends with one tiny agreement (the engine's
+``agree``, with :func:`failure_words` and :func:`load_error`).
 
 Unpickling runs code: only peers of the same job are trusted, as with ``torch.distributed``'s object collectives.
 """
@@ -18,28 +19,28 @@ import gc
 import io
 import math
 import pickle
-import threading
 from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen import _transport
-from torchmetrics_varlen._entries import EntryPlan
-from torchmetrics_varlen._protocol import (
+from torchmetrics_varlen._sync.plan import EntryPlan
+from torchmetrics_varlen._sync.record import (
     DTYPES,
     KIND_LIST,
     OBJECT_ITEMS,
     ObjectFailure,
     ObjectList,
-    _encode_label,
-    object_detail,
+    decode_text,
+    encode_text,
+    resolved,
 )
 from torchmetrics_varlen.errors import SyncMismatchError
 
-_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in DTYPES}
-_BY_NAME = {name: dtype for dtype, name in _NAMES.items()}
+_NAMES = MappingProxyType({dtype: str(dtype).removeprefix("torch.") for dtype in DTYPES})
+_BY_NAME = MappingProxyType({name: dtype for dtype, name in _NAMES.items()})
 _TYPE_WORDS = 5  # the start of a type's name in an agreement's words
 
 
@@ -63,13 +64,9 @@ class _Pickler(pickle.Pickler):
         return _tensor_ref, (len(self.tensors) - 1, _NAMES[obj.dtype], tuple(obj.shape), obj.device.type)
 
 
-_LOADING = threading.local()  # the unpickler loading in this thread: where `_tensor_ref` finds the tensors' bytes
-
-
 def _tensor_ref(index: int, dtype_name: str, shape: tuple[int, ...], device_type: str) -> Tensor:
-    """A tensor taken out of a pickle (``_Pickler``), rebuilt from the bytes that travelled beside it."""
-    loader: _Unpickler = _LOADING.current
-    return loader.tensor(index, dtype_name, shape, device_type)
+    """A tensor taken out of a pickle (``_Pickler``); the unpickler that loads it puts its own method in its place."""
+    raise pickle.UnpicklingError("a tensor taken out of a torchmetrics_varlen object pickle is loaded by its sync")
 
 
 def encode(items: list[Any], always: bool = False) -> list[Any] | ObjectList | ObjectFailure:
@@ -92,10 +89,7 @@ def encode(items: list[Any], always: bool = False) -> list[Any] | ObjectList | O
 
 def _bytes_of(tensor: Tensor) -> Tensor:
     """A tensor's elements as a flat ``uint8`` view, where it lives (a copy only where it is not contiguous)."""
-    tensor = tensor.detach()
-    if tensor.is_conj() or tensor.is_neg():
-        tensor = tensor.resolve_conj().resolve_neg()
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+    return resolved(tensor.detach()).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _failure(items: list[Any]) -> ObjectFailure:
@@ -124,12 +118,12 @@ class _Unpickler(pickle.Unpickler):
         self.looked_up = "an object"
 
     def find_class(self, module: str, name: str) -> Any:
-        if name != "_tensor_ref" or module != __name__:
-            self.looked_up = name if module == "builtins" else f"{module}.{name}"
+        if name == "_tensor_ref" and module == __name__:
+            return self.tensor  # the tensors of this pickle travelled beside it, as this unpickler's payloads
+        self.looked_up = name if module == "builtins" else f"{module}.{name}"
         return super().find_class(module, name)
 
     def load(self) -> Any:
-        _LOADING.current = self
         # Loading makes many containers (a dict per RLE mask): the collector would run its passes over the whole heap
         # during it, several times per sync and more as the heap grows. It runs afterwards, when due.
         collecting = gc.isenabled()
@@ -137,7 +131,6 @@ class _Unpickler(pickle.Unpickler):
         try:
             return super().load()
         finally:
-            _LOADING.current = None
             if collecting:
                 gc.enable()
 
@@ -194,24 +187,22 @@ def decode_results(
     return None
 
 
-def agree(
-    failure: LoadFailure | None,
-    names: Callable[[int], str],
-    group: Any,
-    device: torch.device,
-    wait: str,
-    timeout: float | None,
-    what: str,
-) -> None:
-    """One tiny all-gather of whether each rank loaded every object; raise on every rank if one could not."""
-    words = [0] * (3 + _TYPE_WORDS)
-    if failure is not None:
-        words = [1, failure.position, failure.source, *_encode_label(failure.type_name, _TYPE_WORDS)]
-    table = _transport.gather_words(words, group, device, wait, timeout, f"{what} (objects loaded)").tolist()
+def failure_words(failure: LoadFailure | None) -> list[int]:
+    """What a rank says in the agreement that every rank loaded every object: nothing failed, or what did."""
+    if failure is None:
+        return [0] * (3 + _TYPE_WORDS)
+    return [1, failure.position, failure.source, *encode_text(failure.type_name, _TYPE_WORDS)]
+
+
+def agreed_error(
+    table: list[list[int]], names: Callable[[int], str], what: str, failure: LoadFailure | None
+) -> SyncMismatchError | None:
+    """The error every rank raises when the agreement's table (one row of :func:`failure_words` per rank) says so."""
     failing = [rank for rank, row in enumerate(table) if row[0]]
-    if failing:
-        _, position, source, *name_words = table[failing[0]]
-        raise load_error(failing[0], position, source, object_detail([0, *name_words])[1], names, what, failure)
+    if not failing:
+        return None
+    _, position, source, *name_words = table[failing[0]]
+    return load_error(failing[0], position, source, decode_text(name_words), names, what, failure)
 
 
 def load_error(
