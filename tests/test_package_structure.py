@@ -31,22 +31,35 @@ def _statements(body):
 
 
 def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package modules (dotted, relative to the package) a file imports at its top level, ``TYPE_CHECKING`` too."""
     found = set()
     for node in _statements(ast.parse(path.read_text()).body):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchmetrics_varlen"):
-            parts = node.module.split(".")
-            found.update([parts[1]] if len(parts) > 1 else [alias.name for alias in node.names])
+            base = node.module.removeprefix("torchmetrics_varlen").removeprefix(".")
+            for alias in node.names:
+                name = f"{base}.{alias.name}" if base else alias.name
+                found.add(name if name in modules else base)
         elif isinstance(node, ast.Import):
             found.update(
-                alias.name.split(".")[1] for alias in node.names if alias.name.startswith("torchmetrics_varlen.")
+                alias.name.removeprefix("torchmetrics_varlen.")
+                for alias in node.names
+                if alias.name.startswith("torchmetrics_varlen.")
             )
     return found & modules
 
 
+def _package_modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
 def test_no_import_cycles():
-    modules = {path.stem for path in PACKAGE.glob("*.py")}
-    graph = {path.stem: _top_level_imports(path, modules) for path in PACKAGE.glob("*.py")}
-    assert graph["_engine"] and "gather" not in graph["_engine"]  # the engine does not reach up to the hook
+    modules = _package_modules()
+    graph = {name: _top_level_imports(path, set(modules)) - {name} for name, path in modules.items()}
+    assert graph["_sync.engine"] and "gather" not in graph["_sync.engine"]  # the engine does not reach up to the hook
 
     def visit(module, path):
         for dependency in graph.get(module, ()):
@@ -67,13 +80,17 @@ def test_type_checking_imports_count(tmp_path):
 
 def test_header_flags_are_distinct_bits():
     # Two features once picked the same header bit (the Join worker's record and the reduce mode): every flag is
-    # defined in _protocol, one bit each.
-    from torchmetrics_varlen import _join_shadow, _protocol
+    # defined in the record module, one bit each.
+    import importlib
 
-    flags = {name: value for name, value in vars(_protocol).items() if name.startswith("FLAG_")}
+    from torchmetrics_varlen._sync import record
+
+    join = importlib.import_module("torchmetrics_varlen.join")  # the module, which the package's `join` shadows
+
+    flags = {name: value for name, value in vars(record).items() if name.startswith("FLAG_")}
     assert all(value > 0 and value & (value - 1) == 0 for value in flags.values()), flags
     assert len(set(flags.values())) == len(flags), flags
-    assert _join_shadow.FLAG_SHADOW in flags.values()
+    assert join.FLAG_SHADOW in flags.values()
 
 
 def _imported_names(path: Path):

@@ -497,31 +497,51 @@ def body_grouped(rank, world_size, per_rank, cap):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_grouped_broadcast_rounds_are_exact_in_one_collective_a_round(world_size):
-    per_rank, cap = 3_000, 4096  # 12,000 bytes a rank: 3 rounds of one chunk per rank
+    # A round moves at most the cap in all: each rank's chunk is cap / W. Equal chunks go one round at a time, as NCCL
+    # runs a list all-gather of equal parts through a temporary of the round (issue 43 item 8).
+    per_rank, cap = 3_000, 4096  # 12,000 bytes a rank
+    chunk = max(1, cap // world_size // 4)
     for got, seen in run_distributed(body_grouped, world_size, per_rank, cap):
         assert torch.equal(got, _data(per_rank * world_size)[0])
         assert "broadcast" not in seen, seen
-        assert seen["all_gather"][0] == -(-per_rank * 4 // cap), seen  # one list all-gather per round
+        assert seen["all_gather"][0] == -(-per_rank // chunk), seen  # one list all-gather per round
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_one_round_of_equal_sections_goes_straight_into_the_result(world_size):
+    # Every rank's whole section in one round, all of one size: they lie back to back in the result, so one
+    # all_gather_into_tensor fills it, with no temporary at all.
+    per_rank, cap = 3_000, 2**20
+    for got, seen in run_distributed(body_grouped, world_size, per_rank, cap):
+        assert torch.equal(got, _data(per_rank * world_size)[0])
+        assert "all_gather" not in seen and "broadcast" not in seen, seen
+        metadata = seen.get("all_gather_single", seen.get("all_gather_into_tensor"))
+        assert metadata[0] == 2, seen  # the records, then the result
 
 
 def test_rounds_hold_the_sections_grouped_by_chunk():
-    # Uneven sections, an empty rank, chunks of 3 elements: every section of `sections` is in one round, in order.
+    # Uneven sections, an empty rank, chunks of 3 elements (a round moves at most the cap, 36 bytes: 12 a rank):
+    # every section of `sections` is in one round, in order.
     from types import SimpleNamespace
 
     eplan = SimpleNamespace(dtype=torch.float32, numels=torch.tensor([7, 0, 2]))  # what rounds() reads of a plan
-    plan = SimpleNamespace(world_size=3, entries=[eplan], broadcast=[0], cap=12)
+    plan = SimpleNamespace(world_size=3, entries=[eplan], broadcast=[0], cap=36)
     result = torch.arange(9, dtype=torch.float32)
     own = torch.arange(7, 9, dtype=torch.float32)  # rank 2's data
     rounds = pack.rounds(plan, {0: result}, {0: own}, 2)
     # Sections travel as bytes (a dtype a backend cannot broadcast moves as any other): read back as float32 here.
-    assert all(part.dtype == torch.uint8 for round_ in rounds for part in round_)
-    assert [[part.view(torch.float32).tolist() for part in round_] for round_ in rounds] == [
+    assert all(part.dtype == torch.uint8 for round_ in rounds for part in round_.parts)
+    assert [[part.view(torch.float32).tolist() for part in round_.parts] for round_ in rounds] == [
         [[0.0, 1.0, 2.0], [], [7.0, 8.0]],
         [[3.0, 4.0, 5.0], [], []],
         [[6.0], [], []],
     ]
-    assert rounds[0][2].data_ptr() == own.data_ptr()  # this rank's own chunk is its source
-    assert rounds[0][0].data_ptr() == result.data_ptr()  # the others' chunks are views of the result: no copy
-    flat = [part for round_ in rounds for part in round_ if part.numel()]
-    expected = [part for _, part in pack.sections(plan, {0: result}, {0: own}, 2)]
-    assert sorted(p.tolist() for p in flat) == sorted(p.tolist() for p in expected)
+    assert not any(round_.equal or round_.whole is not None for round_ in rounds)  # unequal: grouped broadcasts
+    assert rounds[0].parts[2].data_ptr() == own.data_ptr()  # this rank's own chunk is its source
+    assert rounds[0].parts[0].data_ptr() == result.data_ptr()  # the others' chunks are views of the result: no copy
+    for src in range(3):  # each rank's chunks, in round order, are its sections of `sections`, in order
+        chunks = [round_.parts[src] for round_ in rounds]
+        sections = [part for owner, part in pack.sections(plan, {0: result}, {0: own}, 2) if owner == src]
+        assert torch.cat([torch.empty(0, dtype=torch.uint8), *chunks]).tolist() == torch.cat(
+            [torch.empty(0, dtype=torch.uint8), *sections]
+        ).tolist()

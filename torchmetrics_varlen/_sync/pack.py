@@ -252,27 +252,49 @@ def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor],
     return out
 
 
-def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[list[Tensor]]:
+@dataclass
+class Round:
+    """One collective of the grouped broadcast route: every rank's chunk of one routed entry (``parts``).
+
+    ``whole``: where the chunks are the ranks' whole sections, all of one size, the result itself (they lie back to
+    back in it, in rank order): one ``all_gather_into_tensor`` straight into it. Else a list ``all_gather`` into the
+    parts, which NCCL runs as one group of broadcasts, but for parts all of one size (``equal``) through a
+    temporary of the whole round that it copies out of (``ProcessGroupNCCL::allgather``): such rounds go one at a
+    time, so at most one temporary, of at most the cap, is alive.
+    """
+
+    parts: list[Tensor]
+    whole: Tensor | None = None
+    equal: bool = False
+
+
+def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[Round]:
     """The broadcast route grouped: per routed entry and chunk, one tensor per rank, in the order every rank issues.
 
     Round ``k`` of an entry holds every rank's ``k``-th chunk of its section (this rank's own: its source), an empty
-    tensor where a rank has fewer chunks or no data: one list ``all_gather`` moves a round (NCCL runs it as one group
-    of broadcasts). The same sections as :func:`sections`, in rounds.
+    tensor where a rank has fewer chunks or no data. A round moves at most the cap in all (chunks of ``cap / W``).
+    The same sections as :func:`sections`, in rounds.
     """
-    out: list[list[Tensor]] = []
+    out: list[Round] = []
+    world = plan.world_size
     for index in plan.broadcast:
         eplan = plan.entries[index]
         assert eplan.dtype is not None
-        chunk = chunk_elements(plan.cap, eplan.dtype.itemsize)
+        chunk = chunk_elements(max(plan.cap // world, 1), eplan.dtype.itemsize)
+        counts = eplan.numels.tolist()
         per_rank: list[tuple[Tensor, ...]] = []
         start = 0
-        for src, count in enumerate(eplan.numels.tolist()):
+        for src, count in enumerate(counts):
             section = sources[index] if src == rank and count else buffers[index][start : start + count]
             per_rank.append(tuple(part.view(torch.uint8) for part in torch.split(section, chunk)) if count else ())
             start += count
+        if len(set(counts)) == 1 and 0 < counts[0] <= chunk:  # one whole section per rank, all of one size
+            out.append(Round(list(next(zip(*per_rank))), buffers[index].view(torch.uint8), True))
+            continue
         nothing = buffers[index][:0].view(torch.uint8)
         for k in range(max((len(parts) for parts in per_rank), default=0)):
-            out.append([parts[k] if k < len(parts) else nothing for parts in per_rank])
+            parts = [parts[k] if k < len(parts) else nothing for parts in per_rank]
+            out.append(Round(parts, None, len({part.numel() for part in parts}) == 1))
     return out
 
 
