@@ -542,6 +542,7 @@ def test_rounds_hold_the_sections_grouped_by_chunk():
     for src in range(3):  # each rank's chunks, in round order, are its sections of `sections`, in order
         chunks = [round_.parts[src] for round_ in rounds]
         sections = [part for owner, part in pack.sections(plan, {0: result}, {0: own}, 2) if owner == src]
-        assert torch.cat([torch.empty(0, dtype=torch.uint8), *chunks]).tolist() == torch.cat(
-            [torch.empty(0, dtype=torch.uint8), *sections]
-        ).tolist()
+        assert (
+            torch.cat([torch.empty(0, dtype=torch.uint8), *chunks]).tolist()
+            == torch.cat([torch.empty(0, dtype=torch.uint8), *sections]).tolist()
+        )
