@@ -282,7 +282,36 @@ def _blocking_wait(device: torch.device) -> str:
     return "a group made with TORCH_NCCL_BLOCKING_WAIT=1: polled, then waited for, exact"
 
 
+def _no_stream_sync(device: torch.device) -> str:
+    """A repeated small sync of CUDA states runs under ``set_sync_debug_mode("error")``: no stream synchronisation.
+
+    The first sync learns (its record and plan); each repeated ``sync()``/``unsync()`` then copies its data into the
+    kept send buffer, all-gathers, copies the headers into pinned memory without blocking and waits for an event.
+    """
+    if device.type != "cuda":
+        raise SkipError("a CUDA device: the stream synchronisations to count are CUDA's")
+    from torchmetrics.classification import BinaryAccuracy
+
+    metric = tv.rebase(BinaryAccuracy)().to(device)
+    metric.update(torch.rand(50, device=device), torch.randint(0, 2, (50,), device=device))
+    metric.sync()
+    metric.unsync()  # learnt
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            metric.sync()
+            synced = [metric.tp.clone(), metric.fp.clone()]
+            metric.unsync()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(synced[0], metric.tp) and torch.equal(synced[1], metric.fp)  # a group of one: the same
+    return "5 repeated syncs of BinaryAccuracy's CUDA states under set_sync_debug_mode('error'): no stream sync"
+
+
 SCENARIOS: dict[str, Callable[[torch.device], str]] = {
+    "no-stream-sync": _no_stream_sync,
     "group-timeout": _group_timeout,
     "dense-reduce-auto": lambda device: _dense_reduce(device, "auto"),
     "dense-reduce-always": lambda device: _dense_reduce(device, "always"),

@@ -137,6 +137,7 @@ class Metric(StockMetric):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state["_tv_join"] = None  # a join holds a thread and a process group: a copy starts outside any join
+        state.pop("_tv_classes", None)  # what the sync keeps of the class: made again where it is needed
         return state
 
     def join_hook(self, **kwargs: Any) -> Any:

@@ -157,6 +157,7 @@ class _Learnt:
     send: Tensor | None = None  # the send row at ``words``, the prefix in place
     words: int = 0
     views: list[Tensor] = field(default_factory=list)  # each dense group's place in ``send``, of its dtype
+    longest: int = 0  # the longest record among every rank's learnt ones
     host: Tensor | None = None  # pinned host memory for the exchanged headers (device records)
 
 
@@ -358,6 +359,7 @@ def _learn(request: Request, rec: _Record, host: Any, plan: Plan, link: Link) ->
     headers = np.ascontiguousarray(host[:, :meta])
     prefix = list(rec.words[:meta])
     learnt = _Learnt(prefix, headers.tobytes(), plan, layout, tensors[0].device)
+    learnt.longest = int(headers[:, record.H_WORDS].max())
     learnt_map: OrderedDict[Any, _Learnt] = link.state.learnt
     learnt_map[request.key] = learnt
     if len(learnt_map) > LEARNT_KEPT:
@@ -378,7 +380,9 @@ def _fast_row(learnt: _Learnt, request: Request, words: int) -> Tensor | None:
     if learnt.send is None or learnt.words != words:
         prefix = array.array("q", learnt.prefix)
         prefix.frombytes(bytes(8 * (words - meta)))
-        send = torch.frombuffer(prefix, dtype=torch.int64).clone().to(learnt.device)  # uploaded once
+        send = torch.frombuffer(prefix, dtype=torch.int64).clone()
+        if learnt.device.type != "cpu":  # uploaded once, from pinned memory: the host does not wait for it
+            send = send.pin_memory().to(learnt.device, non_blocking=True)
         data = send[meta : meta + total // 8].view(torch.uint8)
         learnt.words, learnt.send = words, send
         learnt.views = [data[group.start : group.start + group.nbytes].view(group.dtype) for group in groups]
@@ -386,10 +390,10 @@ def _fast_row(learnt: _Learnt, request: Request, words: int) -> Tensor | None:
         members = [tensors[index] for index in group.indices]
         if any(t.device != learnt.device or t.requires_grad or t.is_conj() or t.is_neg() for t in members):
             return None
-        if all(t.dim() == 0 for t in members):  # the usual states (counts, sums): one op for the group
+        if all(t.dim() == 0 for t in members):  # 0-d states (counts, sums): one op for the group
             torch.stack(members, out=view)
         else:
-            torch.cat([t.reshape(-1) for t in members], out=view)
+            torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in members], out=view)
     return learnt.send
 
 
@@ -400,10 +404,9 @@ def _fast_results(learnt: _Learnt, table: Tensor, request: Request, link: Link) 
     if table.device.type != "cpu" and (learnt.host is None or learnt.host.shape != (state.size, meta)):
         learnt.host = torch.empty((state.size, meta), dtype=torch.int64, pin_memory=True)  # kept: pinning costs
     host = _host_table(table, link, learnt.host)
-    headers = host[:, :meta]
-    if headers.tobytes() != learnt.headers:
+    if host[:, :meta].tobytes() != learnt.headers:
         return None
-    state.learn_longest(int(headers[:, record.H_WORDS].max()))
+    state.learn_longest(learnt.longest)
     # Views of the table this sync received into (a fresh one: only the send buffer is kept).
     rows = torch.from_numpy(host[:, meta:]) if table.device.type == "cpu" else table[:, meta:]
     return Synced(learnt.plan, None, state.rank, unpack.unpack_inline(rows.view(torch.uint8), learnt.plan))

@@ -115,7 +115,23 @@ def _class_layout(phase: str, signature: _Signature) -> ClassLayout:
 
 
 def class_layout(metrics: Sequence[StockMetric], phase: str) -> ClassLayout:
-    """The class part of a layout of ``metrics`` in ``phase``."""
+    """The class part of a layout of ``metrics`` in ``phase`` (a package metric alone keeps it: every sync asks).
+
+    Only the package's own metrics keep it (they leave it out of their pickles); a stock metric's attributes are left
+    as they are.
+    """
+    if len(metrics) == 1 and "_tv_join" in vars(metrics[0]):
+        attrs = vars(metrics[0])
+        kept = attrs.get("_tv_classes")
+        if kept is not None and kept[0] == phase and kept[1] == len(metrics[0]._reductions):
+            return kept[2]  # type: ignore[no-any-return]
+        found = _class_layout_of(metrics, phase)
+        attrs["_tv_classes"] = (phase, len(metrics[0]._reductions), found)  # `add_state` later: another length
+        return found
+    return _class_layout_of(metrics, phase)
+
+
+def _class_layout_of(metrics: Sequence[StockMetric], phase: str) -> ClassLayout:
     signature = _signature(metrics)
     try:
         return _class_layout(phase, signature)
