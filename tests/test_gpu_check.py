@@ -132,7 +132,7 @@ def test_the_one_rank_half_runs_on_gloo_cpu(tmp_path):
 
     assert list(verdicts) == list(gpu_one_rank.SCENARIOS), done.stdout
     cuda_only = {"side-stream", "autograd-thread", "memory-after-compute", "blocking-wait-group"}
-    cuda_only |= {"default-mode-watchdog"}
+    cuda_only |= {"default-mode-watchdog", "no-stream-sync"}
     for name, (status, detail) in verdicts.items():
         assert status == ("SKIP" if name in cuda_only else "PASS"), (name, status, detail)
     assert "123 s read from the gloo backend's options" in verdicts["group-timeout"][1]
