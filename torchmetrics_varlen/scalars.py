@@ -34,9 +34,10 @@ class ScalarLog(Metric):
     * ``"sum"``: :math:`\sum v`; ``"max"`` and ``"min"``. The weight counts for ``"mean"`` keys only.
 
     Keys may differ between ranks and between windows; a rank that updated nothing takes part and gets the same dict.
-    Values accumulate in float64 whatever their dtype, and the results (Python floats, ready for any logger) are the
-    same on every rank. NaN is
-    handled as torchmetrics' aggregation metrics handle it (``nan_strategy``); infinities propagate.
+    Each value and weight becomes float64 on its own (Python numbers, numpy scalars, one-element tensors), and the
+    results (Python floats, ready for any logger) are the same on every rank; float sums equal one process's up to
+    float64 rounding of the ranks' partial sums. Keys must be encodable in UTF-8. NaN is handled as torchmetrics'
+    aggregation metrics handle it (``nan_strategy``); infinities propagate.
 
     **One collective per** ``compute()``: one exchange of the engine's metadata records, which carry every rank's
     packed values (see the "Logged scalars" docs page for its cost). Names travel once: the ranks agree on a key
