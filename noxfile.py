@@ -19,10 +19,11 @@ import nox
 ROOT = Path(__file__).parent
 CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints.txt"))  # pins torch to the CPU wheel on disk
 NEWEST_CONSTRAINTS = ("-c", str(ROOT / ".ci" / "constraints-newest.txt"))  # pins the newest torch release
-# What tests_newest runs (about 4 minutes on 2 cores, measured): the sync itself, on the torch.distributed calls it
-# uses (metrics, collections, the hook, gradients, the policy, the engine with its late, missing and crashed ranks in
-# both waits, parity with stock). Left to the 2.13 run, to keep CI under 20 minutes: tests/test_timeouts.py
-# (about 5 minutes, mostly ranks waiting out timeouts) and the integrations (Lightning, Accelerate, torchrun, Join).
+# What tests_newest runs: the sync itself, on the torch.distributed calls it uses (metrics, collections, the hook,
+# gradients, the policy, the engine with its late, missing and crashed ranks in both waits, the repeated sync's fast
+# path, parity with stock), join with its side groups (made through torch's group calls, whose naming changed in 2.15),
+# and the layering rules. Left to the 2.13 run, to keep CI under 25 minutes: tests/test_timeouts.py (about 5 minutes,
+# mostly ranks waiting out timeouts) and the integrations (Lightning, Accelerate, torchrun).
 NEWEST_TESTS = (
     "tests/test_metric.py",
     "tests/test_collection.py",
@@ -30,7 +31,10 @@ NEWEST_TESTS = (
     "tests/test_sync_grads.py",
     "tests/test_policy.py",
     "tests/test_engine.py",
+    "tests/test_fast_path.py",
     "tests/test_parity.py",
+    "tests/test_join.py",
+    "tests/test_layers.py",
 )
 # 1.0-1.3 skip the gather for an empty `cat` list (ranks issue different collectives);
 # 1.2.0-1.4.0 share `_computed` between the members of a compute group.

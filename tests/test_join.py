@@ -666,10 +666,10 @@ def body_side_groups_of_disjoint_subgroups(rank, world_size):
     from torchmetrics_varlen._sync import engine
     from torchmetrics_varlen._sync.group import group_timeout, link
 
-    if rank == 0:
-        # A group only rank 0 knows: rank 0 now knows one group more than rank 2, its peer in "dp" below (torch
-        # 2.13 names a locally synchronised group after the number of groups the process knows).
-        dist.new_group([0], backend="gloo", use_local_synchronization=True)
+    # A group of rank 0 alone, which every rank enters (torch 2.15 requires that: it salts every later group's name
+    # with a count of the groups each rank entered): rank 0 now knows one group more than rank 2, its peer in "dp"
+    # below (torch 2.13 salts a locally synchronised group's name with the number of groups the process knows).
+    dist.new_group([0], backend="gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
     for dim in ("dp", "tp"):  # "dp": {0, 2} and {1, 3}; then "tp": {0, 1} and {2, 3}, each pair at once
