@@ -53,7 +53,7 @@ def _note_every_rank(store, world_size, monkeypatch):
     for rank in range(world_size):
         monkeypatch.setattr(wait.NOTES, "_listed", [])  # another process: it has not listed itself yet
         text = f"g|{rank}|sync" if rank % 2 else ""
-        wait.NOTES.write("waiting" if rank % 2 else "exited", text or "normal", store, rank, "0.1")
+        wait.NOTES.write("waiting" if rank % 2 else "exited", text or "ended", store, rank, "0.1")
 
 
 @pytest.mark.parametrize("world_size", [2, 8, 64, 512])
@@ -65,14 +65,14 @@ def test_a_look_costs_two_store_operations_whatever_the_world_size(world_size, m
     peers = list(range(1, world_size))
     notes = wait.NOTES.read(counting, "0.1", peers)
     assert counting.calls == ["compare_set", "multi_get"]
-    assert notes[1] == ("g|1|sync", "") and (world_size == 2 or notes[2] == ("", "normal"))
+    assert notes[1] == ("g|1|sync", "") and (world_size == 2 or notes[2] == ("", "ended"))
 
 
 def test_peers_that_never_wrote_a_note_read_as_no_note_and_generations_never_mix(monkeypatch):
     store = dist.HashStore()
     monkeypatch.setattr(wait.NOTES, "_listed", [])
-    wait.NOTES.write("exited", "normal", store, 3, "0.1")
-    assert wait.NOTES.read(store, "0.1", [1, 3]) == {1: ("", ""), 3: ("", "normal")}
+    wait.NOTES.write("exited", "ended", store, 3, "0.1")
+    assert wait.NOTES.read(store, "0.1", [1, 3]) == {1: ("", ""), 3: ("", "ended")}
     # A restarted job, or a world initialised again, is another generation: the old note is not read.
     assert wait.NOTES.read(store, "1.1", [1, 3]) == {1: ("", ""), 3: ("", "")}
 

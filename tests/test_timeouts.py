@@ -286,7 +286,7 @@ def test_a_pause_between_steps_inside_join_is_not_a_missing_rank(world_size):
         assert result["epoch"] == epoch
 
 
-# ---------------------------------------------------------------------- a peer that exited normally (issue 19 item 6)
+# ----------------------------------------------------------------- a peer that ended without a crash (issue 19 item 6)
 def _exit_main(rank, world_size, init_file, results):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     metric = Total(sync_timeout=60)
@@ -325,8 +325,10 @@ def test_a_peer_that_exited_normally_is_not_reported_as_a_crash(world_size, tmp_
     assert procs[-1].exitcode == 0
     for rank, kind, message in seen:
         assert kind == "SyncTimeoutError", (rank, kind, message)
-        assert f"ranks [{world_size - 1}] exited normally" in message, message
-        assert "is_global_zero" in message and "nothing crashed" in message, message
+        assert f"the processes of ranks [{world_size - 1}] ended" in message, message
+        # Issue 47: its exit note cannot tell this from a crash that multiprocessing caught: it says both.
+        assert "may have crashed" in message and "is_global_zero" in message, message
+        assert "nothing crashed" not in message and "normally" not in message, message
 
 
 def _resident_mib():

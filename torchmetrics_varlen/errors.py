@@ -59,12 +59,14 @@ class SyncTimeoutError(SyncError):
     """Some ranks did not arrive at a sync within the sync timeout, or ended their process without it.
 
     Raised on the ranks that did arrive, after ``sync_timeout`` (by default the process group's own timeout), also when
-    the backend's own timeout failed the collective first, and when a peer exited normally (it ran fewer syncs). The
-    message names the missing or exited ranks where the store can tell, whose timeout expired, and the usual causes:
-    ranks that run different numbers of steps, or ``compute()`` / ``self.log`` called on rank 0 only. A peer that is
-    alive and busy (computing in ``compute_on_rank``, running steps inside ``join``) is waited for up to the group's
-    timeout instead. After this error the process group still has a pending collective and cannot be trusted: end
-    the job, or let the late ranks arrive.
+    the backend's own timeout failed the collective first, and when a peer's process ended with no exception that its
+    exit note could see: it ran fewer syncs, or it crashed under a launcher that catches the exception itself
+    (``torch.multiprocessing.spawn``, ``multiprocessing``); the note cannot tell which, so the message says both, the
+    crash first. The message names the missing or ended ranks where the store can tell, whose timeout expired, and the
+    usual causes: ranks that run different numbers of steps, or ``compute()`` / ``self.log`` called on rank 0 only. A
+    peer that is alive and busy (computing in ``compute_on_rank``, running steps inside ``join``) is waited for up to
+    the group's timeout instead. After this error the process group still has a pending collective and cannot be
+    trusted: end the job, or let the late ranks arrive.
 
     Example:
         >>> from torchmetrics_varlen import SyncTimeoutError
@@ -74,11 +76,13 @@ class SyncTimeoutError(SyncError):
 
 
 class SyncPeerError(SyncError):
-    """Another rank crashed or closed its connection while this rank was in a sync (and left no exit note).
+    """Another rank crashed, or closed its connection without leaving an exit note, while this rank was in a sync.
 
     Raised on the ranks that are still alive, with the backend's own error as the cause (``__cause__``), instead of
-    reporting the dead rank as merely late. The metric's local states are left as they were before the sync. The
-    process group cannot be used afterwards: end the job (an elastic launcher may restart it).
+    reporting the dead rank as merely late. Where the rank's exit note saw the exception that ended it (one that reached
+    the top of its main thread, as in a script under ``torchrun``), the message names the rank and the exception's type.
+    The metric's local states are left as they were before the sync. The process group cannot be used afterwards: end
+    the job (an elastic launcher may restart it).
 
     Example:
         >>> from torchmetrics_varlen import SyncPeerError

@@ -9,22 +9,25 @@ timeout behaviour on every backend:
 * a rank that never arrives makes the waiting ranks raise :class:`~torchmetrics_varlen.SyncTimeoutError` naming it
   where the store can tell, and the collective stays pending; the backend's own timeout failing the work first gives
   the same error, saying it was the group's;
-* a peer that exited makes them raise ``SyncTimeoutError`` saying so (normally, or with the exception its exit note
-  saw); a peer that crashed or closed its connection without a note, :class:`~torchmetrics_varlen.SyncPeerError`
-  with the backend's error.
+* a peer whose exit note saw the uncaught exception that ended it makes them raise
+  :class:`~torchmetrics_varlen.SyncPeerError` naming its type; a peer that ended with no exception seen,
+  ``SyncTimeoutError`` saying that it may have crashed all the same (a launcher that catches the exception hides it:
+  see :func:`_exit_kind`) and only then that it may have run fewer syncs; a peer that crashed or closed its connection
+  without a note, ``SyncPeerError`` with the backend's error.
 
 **Notes in the store.** The collectives cannot tell why a peer is missing; the notes each process leaves in the
-rendezvous store can, read by the waiting ranks once their timeout expired or a peer failed. Two kinds, one key each
-per global rank, under a prefix that names the job's generation (a restarted job, or a world initialised again,
-never reads an older one's notes): *waiting* ``"<group>|<sync number>|<what>"``, written by a rank that waited
-``NOTE_AFTER`` seconds at a collective and cleared when it completes (syncs are numbered per group, so ranks that run
-the same syncs agree: the same group and number means "arrived", another means "waits elsewhere", none means "not
-waiting at any sync"); *exited*, written at interpreter exit by a process that took part in a sync. The first note a
-process writes creates both its keys at once and lists its rank in a roster key, so a look at every peer's notes is
-**2** store operations whatever the world size (a ``compare_set`` reading the roster, a ``multi_get`` of the listed
-peers' keys). Writes never wait for the store; reads use a clone of the store whose timeout is ``STORE_ANSWER``
-seconds, which bounds a read of a live store, but not one whose host process is stopped (``SIGSTOP``): that read
-returns when the host resumes. Nothing here touches the store on a sync that completes within ``NOTE_AFTER``.
+rendezvous store can, read by the waiting ranks once their timeout expired or a peer failed. Two kinds, one key each per
+global rank, under a prefix that names the job's generation (a restarted job, or a world initialised again, never reads
+an older one's notes): *waiting* ``"<group>|<sync number>|<what>"``, written by a rank that waited ``NOTE_AFTER``
+seconds at a collective and cleared when it completes (syncs are numbered per group, so ranks that run the same syncs
+agree: the same group and number means "arrived", another means "waits elsewhere", none means "not waiting at any
+sync"); *exited*, written at interpreter exit by a process that took part in a sync, saying what the process could see
+of its own end (:func:`_exit_kind`). The first note a process writes creates both its keys at once and lists its rank in
+a roster key, so a look at every peer's notes is **2** store operations whatever the world size (a ``compare_set``
+reading the roster, a ``multi_get`` of the listed peers' keys). Writes never wait for the store; reads use a clone of
+the store whose timeout is ``STORE_ANSWER`` seconds, which bounds a read of a live store, but not one whose host process
+is stopped (``SIGSTOP``): that read returns when the host resumes. Nothing here touches the store on a sync that
+completes within ``NOTE_AFTER``.
 
 **Process exit** (the package's one ``atexit`` handler): a backend's thread drops its reference to a work a moment
 after the wait returned; in a process that is finalizing, that thread cannot take the GIL and the process aborts
@@ -34,6 +37,7 @@ after the wait returned; in a process that is finalizing, that thread cannot tak
 
 import atexit
 import datetime
+import multiprocessing
 import re
 import sys
 import threading
@@ -62,6 +66,9 @@ SPIN_CHECKS = 500
 POLL_FIRST, POLL_GROWTH, POLL_MAX = 20e-6, 1.5, 2e-3  # then the interval grows: a late peer costs almost no CPU
 MIN_SLICE = 1e-3  # seconds: the shortest timed wait; c10d takes whole milliseconds, and reads 0 as "no timeout"
 _PREFIX = "torchmetrics_varlen"
+# An exit note's first word: "exception <type>" (an uncaught exception ended the process), or "ended" (none was seen,
+# which is not a clean exit: see _exit_kind).
+CRASH, ENDED = "exception", "ended"
 
 
 def margin(seconds: float) -> float:
@@ -402,20 +409,56 @@ NOTES = Notes()
 
 
 def _exit_kind() -> str:
-    """What ends this process: "normal", or "exception <type>" where an uncaught exception does.
+    """What this process's exit note says of its end: ``"exception <type>"`` where it saw a crash, else ``"ended ..."``.
 
-    The interpreter stores an exception that reached the top of the main thread in ``sys.last_exc`` (Python 3.12+)
-    and ``sys.last_value`` before it prints it and finalizes, that is before the ``atexit`` handlers run. A launcher
-    that catches its process's exception itself (``multiprocessing``'s process bootstrap,
-    ``torch.multiprocessing.spawn``) leaves no trace of it here: such a rank reads as exited normally.
+    The one end a process can see of itself is an exception that reached the top of its main thread: the interpreter
+    stores it in ``sys.last_exc`` (Python 3.12+) and ``sys.last_value`` before it prints it and finalizes, that is
+    before the ``atexit`` handlers run. Nothing else is left to read by then: a ``SystemExit`` at the top (and with it
+    the exit code) is consumed before the handlers run, and neither ``sys.excepthook`` nor ``threading.excepthook`` is
+    called for an exception that a launcher catches. So a note without an exception is not a clean exit:
+
+    * ``"ended multiprocessing"``: a ``multiprocessing`` worker (``multiprocessing.parent_process()`` is set). Its
+      bootstrap catches whatever the target raises, prints the traceback and exits with code 1;
+      ``torch.multiprocessing.spawn``'s wrapper catches the exception before that, hands its traceback to the parent
+      and calls ``sys.exit(1)``. A crash and a clean end read the same here.
+    * ``"ended"``: any other process, a plain interpreter (a script under ``torchrun``, whose agent starts each worker
+      as a subprocess of its own). An exception that the script lets through is seen; one that the script or a
+      launcher inside it catches (then ``sys.exit(1)``) is not.
     """
     exception = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    return "normal" if exception is None else f"exception {type(exception).__name__}"
+    if exception is not None:
+        return f"{CRASH} {type(exception).__name__}"
+    return f"{ENDED} multiprocessing" if multiprocessing.parent_process() is not None else ENDED
 
 
 def crashed(found: dict[str, list[tuple[str, int, str]]]) -> list[tuple[str, int, str]]:
     """The exited peers of ``found`` whose exit note says an uncaught exception ended them."""
-    return [entry for entry in found["exited"] if entry[2].startswith("exception")]
+    return [entry for entry in found["exited"] if entry[2].startswith(f"{CRASH} ")]
+
+
+def _names(entries: Sequence[tuple[str, int, str]]) -> str:
+    return ", ".join(name for name, _, _ in entries)
+
+
+def _may_have_crashed(ended: Sequence[tuple[str, int, str]]) -> str:
+    """The sentences saying why peers whose exit notes saw no exception may have crashed all the same."""
+    workers = [entry for entry in ended if entry[2] == f"{ENDED} multiprocessing"]
+    plain = [entry for entry in ended if entry not in workers]
+    parts = []
+    if workers:
+        parts.append(
+            f"Ranks [{_names(workers)}] may have crashed: they are multiprocessing workers, whose launcher"
+            " (`multiprocessing`, `torch.multiprocessing.spawn`) catches their exception itself, so their exit notes"
+            " cannot tell a crash from a clean exit. A crash has its traceback in their log (under"
+            " `torch.multiprocessing.spawn`, in the `ProcessRaisedException` of the launching process)."
+        )
+    if plain:
+        parts.append(
+            f"Ranks [{_names(plain)}] may have crashed: no uncaught exception reached their interpreters, but a script"
+            " or launcher that catches the exception itself (and ends with `sys.exit(1)`, say) hides a crash from"
+            " their exit notes. A crash has its traceback in their log."
+        )
+    return " ".join(parts)
 
 
 def describe(found: dict[str, list[tuple[str, int, str]]] | None) -> str:
@@ -424,15 +467,14 @@ def describe(found: dict[str, list[tuple[str, int, str]]] | None) -> str:
         return ""
     parts: list[str] = []
     if found["missing"]:
-        names = ", ".join(name for name, _, _ in found["missing"])
-        parts.append(f"Missing: ranks [{names}] are not waiting at any torchmetrics_varlen sync.")
-    ended = crashed(found)
-    normal = [entry for entry in found["exited"] if entry not in ended]
-    if normal:
-        names = ", ".join(name for name, _, _ in normal)
-        parts.append(f"Exited: ranks [{names}] exited normally (no crash): they ran fewer syncs.")
+        parts.append(f"Missing: ranks [{_names(found['missing'])}] are not waiting at any torchmetrics_varlen sync.")
+    crashes = crashed(found)
+    ended = [entry for entry in found["exited"] if entry not in crashes]
     if ended:
-        names = ", ".join(f"{name} ({text.partition(' ')[2] or 'exception'})" for name, _, text in ended)
+        parts.append(f"Ended: the processes of ranks [{_names(ended)}] ended. {_may_have_crashed(ended)}")
+        parts.append("If they did not crash, they ran fewer syncs.")
+    if crashes:
+        names = ", ".join(f"{name} ({text.partition(' ')[2] or 'exception'})" for name, _, text in crashes)
         parts.append(f"Crashed: ranks [{names}] exited after an uncaught exception: read their logs.")
     for name, _, seen in found["elsewhere"]:
         seen_tag, _, seen_what = seen.split("|", 2)
@@ -449,7 +491,7 @@ def describe(found: dict[str, list[tuple[str, int, str]]] | None) -> str:
 def _failure(
     err: PeerFailedError, what: str, state: GroupState, note: str, limits: Limits, waited: float
 ) -> RuntimeError:
-    """The error for a collective the backend failed: its own timeout, a peer's normal exit, or a peer's crash."""
+    """The error for a collective the backend failed: its own timeout, a peer that ended, or a peer's crash."""
     message = str(err)
     found = NOTES.where_peers_are(state, note)
     deadline = time.monotonic() + EXIT_GRACE
@@ -503,11 +545,12 @@ def _timeout_message(
 
 
 def _exited_message(what: str, state: GroupState, found: dict[str, Any]) -> str:
-    names = ", ".join(name for name, _, _ in found["exited"])
+    """The error for peers whose processes ended with no exception that their exit notes could see."""
+    ended = found["exited"]
     return (
-        f"{what}: rank {state.rank} waited at this sync while ranks [{names}] exited normally (their processes ended"
-        " without an error: nothing crashed). They ran fewer syncs than this rank: usually `compute()` or"
-        " `self.log(...)` ran on some ranks only (for example inside `if trainer.is_global_zero:`, with"
+        f"{what}: rank {state.rank} waited at this sync while the processes of ranks [{_names(ended)}] ended."
+        f" {_may_have_crashed(ended)} If their log has no traceback, they ran fewer syncs than this rank: usually"
+        " `compute()` or `self.log(...)` ran on some ranks only (for example inside `if trainer.is_global_zero:`, with"
         " `num_sanity_val_steps=0`), or the ranks ran different numbers of steps. Every rank must run the same syncs in"
         " the same order; the process group cannot be used any more."
     )
