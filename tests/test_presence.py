@@ -126,6 +126,50 @@ def test_the_store_is_read_through_a_clone_with_a_short_timeout():
         assert result == {"clone": True, "timeout": True, "default_untouched": True, "same": True}
 
 
+class RecordingStore:
+    """A store that records which operations it is asked for and answers none that would wait."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name in ("get", "compare_set", "multi_get", "wait", "check", "add"):
+                raise AssertionError(f"the exit note asked the store for an answer ({name})")
+
+        return call
+
+
+def test_the_exit_note_only_writes(monkeypatch):
+    # Issue 43 item 10: at interpreter exit the note is written without waiting for any answer of the store (a store
+    # host that is stopped or slow must not hold the exiting process): writes only, to the bounded clone.
+    notes = wait.Notes()
+    first, second = RecordingStore(), RecordingStore()
+    notes._armed = [(first, 1, "g1"), (second, 1, "g2")]
+    monkeypatch.setattr(wait, "_exit_kind", lambda: "ended")
+    notes._at_exit()
+    for store in (first, second):
+        assert store.calls and set(store.calls) <= {"set", "multi_set", "append"}, store.calls
+
+
+def body_exit_notes_are_armed_on_the_clone(rank, world_size):
+    metric = Total()
+    metric.update(torch.ones(2))
+    metric.compute()
+    default = dist.distributed_c10d._get_default_store()
+    return [
+        (store is not default, store.timeout == datetime.timedelta(seconds=wait.STORE_ANSWER))
+        for store, _, _ in wait.NOTES._armed
+    ]
+
+
+def test_the_exit_note_goes_to_the_bounded_clone():
+    # Issue 43 item 10: on Python 3.12+ the exit note used the default store, whose timeout is the group's.
+    for armed in run_distributed(body_exit_notes_are_armed_on_the_clone, 2):
+        assert armed and all(armed_on == (True, True) for armed_on in armed), armed
+
+
 def body_dead_store(rank, world_size):
     """Rank 0 never syncs; the others find the store gone when their timeout expired: an error naming no rank."""
     if rank == 0:

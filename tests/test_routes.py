@@ -507,6 +507,54 @@ def test_grouped_broadcast_rounds_are_exact_in_one_collective_a_round(world_size
         assert seen["all_gather"][0] == -(-per_rank // chunk), seen  # one list all-gather per round
 
 
+def body_rounds_in_flight(rank, world_size):
+    """Uneven sections over several rounds: what the grouped route issues and waits for, in order.
+
+    gloo's list all-gather takes equal parts only: here each round runs as NCCL runs one of unequal parts, a
+    broadcast from each rank (the last one's work stands for the round).
+    """
+    from torchmetrics_varlen._sync import comm, wait
+
+    events = []
+    wait_all = wait.wait_all
+
+    def issuing(parts, rank, group):
+        events.append("issue")
+        works = [
+            dist.broadcast(part, src, group=group, async_op=True) for src, part in enumerate(parts) if part.numel()
+        ]
+        for work in works[:-1]:
+            work.wait()
+        return works[-1]
+
+    def waiting(works, *args, **kwargs):
+        events.append(f"wait {len(works)}")
+        return wait_all(works, *args, **kwargs)
+
+    values = tv.rebase(CatMetric)(sync_cap=4096)
+    values.update(_data(2_000 * (rank + 1))[0])  # uneven: 8,000, 16,000 and 24,000 bytes
+    issue = comm.all_gather
+    comm.all_gather, wait.wait_all = issuing, waiting
+    try:
+        with forced_policy(broadcast_min=1024, grouped_broadcasts=True):
+            got = values.compute()
+    finally:
+        comm.all_gather, wait.wait_all = issue, wait_all
+    return got, events
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grouped_rounds_go_one_at_a_time(world_size):
+    # Issue 43 item 8: every round is waited for before the next is issued, so at most one temporary of a round (at
+    # most the cap) is alive whatever the backend makes of a list all-gather (torch 2.15's ProcessGroupNCCL2 unread).
+    results = run_distributed(body_rounds_in_flight, world_size)
+    expected = torch.cat([_data(2_000 * (r + 1))[0] for r in range(world_size)])
+    for got, events in results:
+        assert torch.equal(got, expected)
+        rounds = events.count("issue")
+        assert rounds > 1 and events == ["issue", "wait 1"] * rounds, events
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_one_round_of_equal_sections_goes_straight_into_the_result(world_size):
     # Every rank's whole section in one round, all of one size: they lie back to back in the result, so one
@@ -536,7 +584,7 @@ def test_rounds_hold_the_sections_grouped_by_chunk():
         [[3.0, 4.0, 5.0], [], []],
         [[6.0], [], []],
     ]
-    assert not any(round_.equal or round_.whole is not None for round_ in rounds)  # unequal: grouped broadcasts
+    assert not any(round_.whole is not None for round_ in rounds)  # unequal: a list all-gather a round
     assert rounds[0].parts[2].data_ptr() == own.data_ptr()  # this rank's own chunk is its source
     assert rounds[0].parts[0].data_ptr() == result.data_ptr()  # the others' chunks are views of the result: no copy
     for src in range(3):  # each rank's chunks, in round order, are its sections of `sections`, in order

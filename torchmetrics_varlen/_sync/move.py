@@ -153,19 +153,12 @@ def _route(
         pack.copy_later(later)
 
     if dst is None and link.policy.grouped_broadcasts:  # NCCL: a round of broadcasts in one group
-        pending: list[tuple[object, str]] = []
         for number, round_ in enumerate(pack.rounds(plan, received, sources, rank)):
             if round_.whole is not None:  # straight into the result: no temporary
                 work = comm.gather_equal(round_.whole, round_.parts[rank], state.pg, state.backend)
-            else:
+            else:  # one round in flight: whatever temporary the backend makes of it, one (at most the cap) is alive
                 work = comm.all_gather(round_.parts, rank, state.pg)
-            pending.append((work, device.type))
-            if round_.equal and round_.whole is None:  # NCCL's temporary of the round: one alive at a time
-                wait.wait_all(pending, link, meanwhile if number == 0 else None)
-                pending = []
-            elif number == 0:
-                meanwhile()
-        wait.wait_all(pending, link)
+            wait.wait_all([(work, device.type)], link, meanwhile if number == 0 else None)
     elif dst is None:
         sections = pack.sections(plan, received, sources, rank)
         wait.wait_all([(comm.broadcast(part, src, state.pg), device.type) for src, part in sections], link, meanwhile)

@@ -257,15 +257,15 @@ class Round:
     """One collective of the grouped broadcast route: every rank's chunk of one routed entry (``parts``).
 
     ``whole``: where the chunks are the ranks' whole sections, all of one size, the result itself (they lie back to
-    back in it, in rank order): one ``all_gather_into_tensor`` straight into it. Else a list ``all_gather`` into the
-    parts, which NCCL runs as one group of broadcasts, but for parts all of one size (``equal``) through a
-    temporary of the whole round that it copies out of (``ProcessGroupNCCL::allgather``): such rounds go one at a
-    time, so at most one temporary, of at most the cap, is alive.
+    back in it, in rank order): one ``all_gather_into_tensor`` straight into it, with no temporary. Else a list
+    ``all_gather`` into the parts. ``ProcessGroupNCCL::allgather`` runs one of unequal parts as a group of broadcasts
+    and one of equal parts through a temporary of the whole round that it copies out of; the source of torch 2.15's
+    default ``ProcessGroupNCCL2`` was not read (it is not in the wheel). So rounds go one at a time, each waited for
+    before the next is issued: at most one temporary, of at most the cap, is alive, whatever the implementation.
     """
 
     parts: list[Tensor]
     whole: Tensor | None = None
-    equal: bool = False
 
 
 def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[Round]:
@@ -289,12 +289,12 @@ def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], r
             per_rank.append(tuple(part.view(torch.uint8) for part in torch.split(section, chunk)) if count else ())
             start += count
         if len(set(counts)) == 1 and 0 < counts[0] <= chunk:  # one whole section per rank, all of one size
-            out.append(Round(list(next(zip(*per_rank))), buffers[index].view(torch.uint8), True))
+            out.append(Round(list(next(zip(*per_rank))), buffers[index].view(torch.uint8)))
             continue
         nothing = buffers[index][:0].view(torch.uint8)
         for k in range(max((len(parts) for parts in per_rank), default=0)):
             parts = [parts[k] if k < len(parts) else nothing for parts in per_rank]
-            out.append(Round(parts, None, len({part.numel() for part in parts}) == 1))
+            out.append(Round(parts))
     return out
 
 
