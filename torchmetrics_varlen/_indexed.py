@@ -1,12 +1,7 @@
-"""The parts of :class:`~torchmetrics_varlen.IndexedMetric`, one section each.
+"""The parts of :class:`~torchmetrics_varlen.IndexedMetric`, one section each: arguments, dedup, replay.
 
-* **Arguments**: capture a call's arguments (per-sample tensors, per-call values), check they keep one layout.
-* **Dedup**: order the gathered samples by dataset index and keep each index once, refusing likely mistakes. The
-  samples arrive concatenated in rank order, and on each rank in call order; a stable sort by dataset index keeps that
-  order among the copies of one index, so the first copy is the one from the lowest rank's earliest call.
-* **Replay**: feed the ordered samples to a fresh copy of the wrapped metric, as one process would.
-
-``IndexedMetric`` itself (in :mod:`torchmetrics_varlen.indexed`) owns the states and wires these together.
+The gathered samples arrive in rank order, and on each rank in call order; a stable sort by dataset index keeps that
+order among the copies of one index, so the first copy is the one from the lowest rank's earliest call.
 """
 
 import copy
@@ -24,13 +19,11 @@ INDEX_NAME = "sample_index"
 
 
 def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, Tensor):
-        return True
     if isinstance(value, dict):
-        return any(_holds_tensor(item) for item in value.values())
+        value = list(value.values())
     if isinstance(value, (list, tuple, set, frozenset)):
         return any(_holds_tensor(item) for item in value)
-    return False
+    return isinstance(value, Tensor)
 
 
 def check_sample_index(sample_index: Any) -> Tensor:
@@ -40,29 +33,21 @@ def check_sample_index(sample_index: Any) -> Tensor:
             "Expected keyword argument `sample_index` (the dataset index of every sample, a 1-D integer tensor)"
             " but it was not given"
         )
-    if (
-        not isinstance(sample_index, Tensor)
-        or sample_index.ndim != 1
-        or sample_index.is_floating_point()
-        or sample_index.is_complex()
-        or sample_index.dtype == torch.bool
-    ):
-        shape = tuple(sample_index.shape) if isinstance(sample_index, Tensor) else type(sample_index).__name__
-        dtype = sample_index.dtype if isinstance(sample_index, Tensor) else "-"
+    dtype = sample_index.dtype if isinstance(sample_index, Tensor) else None
+    if dtype is None or sample_index.ndim != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        shape = tuple(sample_index.shape) if dtype is not None else type(sample_index).__name__
         raise ValueError(
             "Expected `sample_index` to be a 1-D integer tensor with one entry per sample but got shape"
-            f" {shape} and dtype {dtype}"
+            f" {shape} and dtype {dtype if dtype is not None else '-'}"
         )
-    return sample_index
+    return sample_index  # type: ignore[no-any-return]  # a Tensor: `dtype` is None otherwise
 
 
 class ArgumentCapture:
     """The wrapped metric's ``update`` signature, and how one call's arguments split into what is stored.
 
-    Tensor arguments hold one row per sample and are stored per sample; every other argument is a per-call value that
-    must not change between calls (it is pickled once and replayed). The layout of the first call (which tensor
-    arguments, their dtype and trailing shape, the pickled per-call values) is kept, and every later call must match
-    it, so that what the ranks gather can be stacked and replayed.
+    Tensor arguments hold one row per sample; other arguments are per-call values, pickled once and replayed. The first
+    call's layout binds every later call, so that what the ranks gather can be stacked and replayed.
     """
 
     def __init__(self, metric: StockMetric) -> None:
@@ -85,12 +70,7 @@ class ArgumentCapture:
         self.layout: tuple[frozenset[str], dict[str, tuple[torch.dtype, tuple[int, ...]]], bytes] | None = None
 
     def split(self, args: tuple[Any, ...], kwargs: dict[str, Any], samples: int) -> tuple[dict[str, Tensor], bytes]:
-        """Bind a call; return its per-sample tensors and its pickled per-call values (checked against the layout).
-
-        Returns:
-            The tensors by parameter name, and the pickled per-call values when this is the first call of the layout
-            (they must then be stored), else ``b""``.
-        """
+        """Bind a call: its tensors by name, and its pickled per-call values on the first call (else ``b""``)."""
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as err:
@@ -166,24 +146,15 @@ def decode_static(items: list[Tensor]) -> dict[str, Any]:
     encoded = {tensor_bytes(item) for item in items}
     if len(encoded) > 1:
         # Pickled by this job's own ranks (the trust model of torch.distributed's object collectives).
-        values = sorted(repr(pickle.loads(item)) for item in encoded)
         raise ValueError(
             "Expected the non-tensor arguments to be identical on every call and every rank but got"
-            f" {', '.join(values)}"
+            f" {', '.join(sorted(repr(pickle.loads(item)) for item in encoded))}"
         )
     return pickle.loads(encoded.pop()) if encoded else {}  # type: ignore[no-any-return]
 
 
 # -------------------------------------------------------------------------------------------------------------- dedup
 RULES = ("first", "error")
-
-
-def _rows_equal(first: Tensor, second: Tensor) -> Tensor:
-    """Per row (dim 0): equal values, NaN equal to NaN."""
-    same = first == second
-    if first.is_floating_point() or first.is_complex():
-        same |= first.isnan() & second.isnan()
-    return same.flatten(1).all(1) if same.ndim > 1 else same
 
 
 def sample_ranks(updates: Tensor | None, samples: int) -> Tensor | None:
@@ -197,11 +168,7 @@ def sample_ranks(updates: Tensor | None, samples: int) -> Tensor | None:
 
 
 class Dedup:
-    """The dataset indices of all gathered samples, sorted, with each index's copies located.
-
-    Args:
-        index: the dataset index of every sample, in gather order (rank, then call).
-    """
+    """The dataset ``index`` of every gathered sample (in gather order: rank, then call), sorted, copies located."""
 
     def __init__(self, index: Tensor) -> None:
         self.keys, self.order = torch.sort(index, stable=True)
@@ -218,8 +185,12 @@ class Dedup:
         return self.order[self.first]
 
     def _differs(self, data: Tensor) -> Tensor:
-        device = data.device
-        return ~_rows_equal(data[self.order[self.copies].to(device)], data[self.order[self.kept].to(device)])
+        """Per dropped copy: whether its row differs from the kept copy's (NaN equal to NaN)."""
+        first, second = data[self.order[self.copies].to(data.device)], data[self.order[self.kept].to(data.device)]
+        same = first == second
+        if first.is_floating_point() or first.is_complex():
+            same |= first.isnan() & second.isnan()
+        return ~(same.flatten(1).all(1) if same.ndim > 1 else same)
 
     def check_all_agree(self, inputs: dict[str, Tensor]) -> None:
         """``duplicates="error"``: every copy carries the values of the copy that is kept."""
@@ -253,14 +224,12 @@ class Dedup:
             sorted_ranks = ranks.to(self.order.device)[self.order]
             # A copy's predecessor in sorted order is an earlier copy of the same index (rank order, then call order).
             same_rank = (sorted_ranks[self.copies] == sorted_ranks[self.copies - 1]) & differs
-            for rank, count in zip(*torch.unique(sorted_ranks[self.copies][same_rank], return_counts=True)):
-                within[int(rank)] = int(count)
+            found = torch.unique(sorted_ranks[self.copies][same_rank], return_counts=True)
+            within = {int(rank): int(count) for rank, count in zip(*found)}
         if not within and conflicts < world_size:
             return  # as much as padding can produce: the copies are taken for the same samples
-        where = ""
-        if within:
-            where = " (" + ", ".join(f"{count} on rank {rank}" for rank, count in sorted(within.items()))
-            where += " repeat an index that the same rank already used)"
+        counts = ", ".join(f"{count} on rank {rank}" for rank, count in sorted(within.items()))
+        where = f" ({counts} repeat an index that the same rank already used)" if within else ""
         raise ValueError(
             "Expected `sample_index` to hold dataset indices (each sample's index in the whole data set, the same on"
             f" every rank) but {conflicts} of {self.keys.numel()} samples repeat an index with different values"

@@ -1,8 +1,7 @@
 """Errors raised by the sync protocol.
 
-All four errors subclass :class:`SyncError`, itself a :class:`torch.distributed.DistError` (a :class:`RuntimeError`),
-so ``except DistError`` and ``except RuntimeError`` catch them as they catch the errors of ``torch.distributed``.
-Each is raised on every rank that takes part in the failing sync and is still alive, never on one rank alone.
+All four subclass :class:`SyncError`, a :class:`torch.distributed.DistError` (a :class:`RuntimeError`). Each is
+raised on every rank that takes part in the failing sync and is still alive, never on one rank alone.
 """
 
 from torch.distributed import DistError
@@ -24,11 +23,9 @@ class SyncError(DistError):
 class SyncMemoryError(SyncError):
     """A rank could not allocate what a sync receives into; raised on every rank alike, before any data moved.
 
-    After the metadata exchange every rank knows how much the sync receives (the padded gather's rows, the results of
-    the states that move by broadcast); each allocates it, and when that is large (see "How the sync works") the ranks
-    exchange one word saying whether they could. So a rank that runs out of memory makes every rank raise this error
-    (naming the failing ranks; on the failing rank the allocator's error is the ``__cause__``) instead of leaving its
-    peers waiting for a collective it never enters. The process group stays usable.
+    When a sync receives much, the ranks agree after the metadata exchange that each could allocate it (see "How the
+    sync works"), so a rank out of memory makes every rank raise this error, naming the failing ranks (on those the
+    allocator's error is the ``__cause__``), instead of leaving its peers waiting. The process group stays usable.
 
     Example:
         >>> from torchmetrics_varlen import SyncMemoryError
@@ -40,13 +37,10 @@ class SyncMemoryError(SyncError):
 class SyncMismatchError(SyncError):
     """The ranks disagree about what they are syncing.
 
-    Raised on every rank alike when the ranks hold data that cannot be combined (different dtype or number of
-    dimensions, ``cat`` data whose dims after the first differ, a stacked state whose shape differs), sync different
-    metrics or state layouts, or are in different phases (one in a per-step sync, another in an epoch
-    ``compute()``). Decided from the exchanged metadata, right after its exchange and before any data moves; only
-    what the metadata cannot show (a ``cat`` list whose items differ on one rank, the shapes of a state with a
-    stacking reduction) is found after the data step, from data every rank holds alike. The message names the
-    metric and state and has one line per rank saying what that rank held.
+    Raised on every rank alike when the ranks hold data that cannot be combined (dtype, number of dimensions, trailing
+    dims of ``cat`` data, a stacked state's shape), sync different metrics or state layouts, or are in different
+    phases (a per-step sync and an epoch ``compute()``), mostly before any data moves. The message names the metric
+    and state, with one line per rank saying what that rank held.
 
     Example:
         >>> from torchmetrics_varlen import SyncMismatchError
@@ -58,15 +52,11 @@ class SyncMismatchError(SyncError):
 class SyncTimeoutError(SyncError):
     """Some ranks did not arrive at a sync within the sync timeout, or ended their process without it.
 
-    Raised on the ranks that did arrive, after ``sync_timeout`` (by default the process group's own timeout), also when
-    the backend's own timeout failed the collective first, and when a peer's process ended with no exception that its
-    exit note could see: it ran fewer syncs, or it crashed under a launcher that catches the exception itself
-    (``torch.multiprocessing.spawn``, ``multiprocessing``); the note cannot tell which, so the message says both, the
-    crash first. The message names the missing or ended ranks where the store can tell, whose timeout expired, and the
-    usual causes: ranks that run different numbers of steps, or ``compute()`` / ``self.log`` called on rank 0 only. A
-    peer that is alive and busy (computing in ``compute_on_rank``, running steps inside ``join``) is waited for up to
-    the group's timeout instead. After this error the process group still has a pending collective and cannot be
-    trusted: end the job, or let the late ranks arrive.
+    Raised on the ranks that did arrive, after ``sync_timeout`` (by default the group's own timeout) or the backend's
+    own timeout, and when a peer's process ended with no exception its exit note could see (fewer syncs, or a crash
+    under a launcher that catches it; the message says both), naming the ranks where the store can tell and the usual
+    causes. A peer known to be busy (``compute_on_rank``'s destination, running steps inside ``join``) is waited for
+    up to the group's timeout. After this error the process group still has a pending collective: end the job.
 
     Example:
         >>> from torchmetrics_varlen import SyncTimeoutError
@@ -78,11 +68,10 @@ class SyncTimeoutError(SyncError):
 class SyncPeerError(SyncError):
     """Another rank crashed, or closed its connection without leaving an exit note, while this rank was in a sync.
 
-    Raised on the ranks that are still alive, with the backend's own error as the cause (``__cause__``), instead of
-    reporting the dead rank as merely late. Where the rank's exit note saw the exception that ended it (one that reached
-    the top of its main thread, as in a script under ``torchrun``), the message names the rank and the exception's type.
-    The metric's local states are left as they were before the sync. The process group cannot be used afterwards: end
-    the job (an elastic launcher may restart it).
+    Raised on the ranks still alive, with the backend's own error as the ``__cause__``, instead of reporting the dead
+    rank as merely late; where the rank's exit note saw the exception that ended it (as under ``torchrun``), the
+    message names the rank and the exception's type. The local states are left as they were before the sync. The
+    process group cannot be used afterwards: end the job (an elastic launcher may restart it).
 
     Example:
         >>> from torchmetrics_varlen import SyncPeerError

@@ -15,14 +15,9 @@ from torchmetrics_varlen.errors import SyncTimeoutError
 __all__ = ["gather_all_tensors"]
 
 _HOOK_CONTEXT = context_hash("torchmetrics_varlen.gather_all_tensors")
-# Its own context: a rank gathering with ``sync_grads=True`` while a peer gathers without it would hang in backward,
-# so the metadata exchange turns that into a `SyncMismatchError` on every rank instead.
+# Its own context: ranks that disagree on `sync_grads` raise `SyncMismatchError` instead of hanging in backward.
 _GRAD_CONTEXT = context_hash("torchmetrics_varlen.gather_all_tensors(sync_grads=True)")
 
-# What a waiting rank adds to a timeout in the hook. Stock `Metric._sync_dist` calls the hook once per tensor: once
-# per list item for a list state whose `dist_reduce_fx` is None (dim_zero_cat lists are concatenated into one item
-# first), so a rank with fewer items makes fewer calls, and one with an empty list none. That rank then fails or
-# returns on its own while its peers wait here. No hook can change stock's control flow; `rebase` can.
 HOOK_LIMIT = (
     " This sync is the `gather_all_tensors` hook, which torchmetrics calls once per tensor: for a list state with"
     " `dist_reduce_fx=None` (the `indexes`, `preds` and `target` of the retrieval metrics, for example) once per list"
@@ -33,36 +28,24 @@ HOOK_LIMIT = (
 )
 
 
-def _tensor_name(index: int) -> str:
-    return "the tensor passed to gather_all_tensors"
-
-
 def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: bool = False) -> list[Tensor]:
     """Gather a tensor from every rank, whatever its shape on each rank; a drop-in for torchmetrics' function.
 
-    Pass it as ``dist_sync_fn`` to any torchmetrics metric. It costs one metadata exchange and one data exchange
-    (one in all for a small tensor of the same shape on every rank, which rides in the metadata; none at all without
-    a process group or in a group of one), never a barrier.
+    Pass it as ``dist_sync_fn`` to any torchmetrics metric: one metadata and one data exchange (one in all for a small
+    tensor of the same shape on every rank; none without a process group or in a group of one), never a barrier.
 
     * Shapes may differ along any dimension between ranks, 0-d and zero-size tensors included.
-    * A rank without data (any zero-element tensor, such as the ``torch.tensor([])`` that torchmetrics sends for an
-      empty ``cat`` list) gets an empty tensor with the dtype and trailing shape of the ranks that have data. When no
-      rank holds data, every piece takes the dtype of the ranks' own zero-length items (what one process keeps),
-      not that of stock's float placeholder for an empty list.
+    * A rank without data (any zero-element tensor, such as stock's ``torch.tensor([])`` for an empty ``cat`` list)
+      gets an empty tensor with the dtype and trailing shape of the ranks that have data; when no rank holds data,
+      the dtype of the ranks' own zero-length items (what one process keeps).
     * Ranks whose non-empty tensors differ in dtype or number of dimensions raise
       :class:`~torchmetrics_varlen.SyncMismatchError` together, with each rank's shape and dtype in the message.
       A 0-d tensor is accepted beside 1-d ones (a one-element ``cat`` list arrives 0-d).
-    * Where it runs: the group's backend for ``result``'s device; on a group with several backends
-      (``"cpu:gloo,cuda:nccl"``) the CUDA one wherever CUDA is available, whatever the device of ``result`` (a rank
-      with an empty placeholder must meet its peers in the same communicator). Every element of the result is on
-      ``result``'s device.
     * Element ``rank`` of the result is ``result`` itself, so its autograd graph (rank-local) is kept; the other
       elements carry no graph. With ``sync_grads=True`` every element is differentiable and the backward pass sends
       each rank the gradient of its own samples, summed over all ranks (see the "Metrics as losses" docs page).
-    * Torchmetrics decides how often the hook runs: once per tensor, so once per item of a list state with
-      ``dist_reduce_fx=None`` and never for such a list when it is empty. Ranks with different numbers of items make
-      different numbers of calls, which no hook can repair: the ranks waiting in the hook raise
-      :class:`~torchmetrics_varlen.SyncTimeoutError` naming this case. Use :func:`~torchmetrics_varlen.rebase` there.
+    * Torchmetrics calls the hook once per item of a ``dist_reduce_fx=None`` list: ranks with different numbers of
+      items raise :class:`~torchmetrics_varlen.SyncTimeoutError`; use :func:`~torchmetrics_varlen.rebase` there.
 
     Args:
         result: this rank's tensor.
@@ -70,7 +53,8 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         sync_grads: make the gather differentiable across ranks (every rank must then run the backward pass).
 
     Returns:
-        A list with one tensor per rank of ``group``; element i is rank i's tensor with its true shape and dtype.
+        A list with one tensor per rank of ``group``, on ``result``'s device; element i is rank i's tensor with its
+        true shape and dtype.
 
     Example:
         Without a process group the tensor comes back alone, untouched:
@@ -93,8 +77,8 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     if not isinstance(result, Tensor):
         raise TypeError(f"Expected `result` to be a torch.Tensor but got {type(result).__name__}")
     label = "gather_all_tensors(grad)" if sync_grads else "gather_all_tensors"
-    # No metric here: the tensor is all there is. It never picks the backend of a group with several (that is the
-    # accelerator's where CUDA is available, on every rank alike), only the device of the kind picked.
+    # No metric here: the tensor never picks the backend of a group with several (the accelerator's where CUDA is
+    # available, on every rank alike), only the device of the kind picked.
     sync_link = link(group, None, default_timeout(), f"sync of {label}", result.device)
     if sync_link is None:
         return [result]
@@ -104,7 +88,7 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         label,
         # One autograd node whose backward is one all-reduce; under no_grad, the plain gather.
         flags=FLAG_DIFF if sync_grads and torch.is_grad_enabled() else 0,
-        names=_tensor_name,
+        names=lambda index: "the tensor passed to gather_all_tensors",
         cap=sent_cap(None),
         grad="always",
     )
@@ -113,17 +97,17 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     except SyncTimeoutError as err:  # the waiting ranks: name the case the hook cannot help with
         raise SyncTimeoutError(str(err) + HOOK_LIMIT) from err
     assert synced is not None  # no `stop` given
-    return _per_rank(synced, result, sync_link.rank)
-
-
-def _per_rank(synced: engine.Synced, result: Tensor, rank: int) -> list[Tensor]:
-    """One tensor per rank, this rank's being the caller's own object where it keeps an autograd graph."""
-    gathered = synced.results[0]
+    rank, gathered = sync_link.rank, synced.results[0]
     per_rank: list[Tensor] = list(gathered.tensor.unbind(0)) if isinstance(gathered, Stacked) else list(gathered)  # type: ignore[union-attr, arg-type]
     dtype = synced.plan.entries[0].dtype
-    if dtype is None and len({piece.dtype for piece in per_rank}) > 1:  # no rank holds data, the dtypes differ
-        common = _items_dtype(per_rank)
-        per_rank = [piece.to(common) for piece in per_rank]
+    if dtype is None and len({piece.dtype for piece in per_rank}) > 1:
+        # No rank holds data and the dtypes differ: take that of the ranks' own zero-length items, as one process
+        # would. Stock sends `torch.tensor([])` of the metric's dtype (1-D, floating) for an empty list, so a piece of
+        # another kind says what the items are; else one of a dtype other than the default; else the first rank's.
+        own = [piece.dtype for piece in per_rank if piece.ndim != 1 or not piece.is_floating_point()]
+        default = torch.get_default_dtype()
+        common = (own or [piece.dtype for piece in per_rank if piece.dtype != default] or [per_rank[0].dtype])[0]
+        per_rank = [piece.to(common) for piece in per_rank]  # every rank sees the same pieces: all pick alike
     if synced.plan.differentiable and differentiable_dtype(dtype):
         return per_rank  # every piece is an output of the differentiable step
     if result.numel() > 0:
@@ -133,17 +117,3 @@ def _per_rank(synced: engine.Synced, result: Tensor, rank: int) -> list[Tensor]:
         # loss built from it still reaches this rank's parameters (DDP needs every rank's backward).
         per_rank[rank] = result.reshape(per_rank[rank].shape).to(per_rank[rank].dtype)
     return per_rank
-
-
-def _items_dtype(pieces: list[Tensor]) -> torch.dtype:
-    """The dtype one process keeps for zero-length pieces of several dtypes: that of the ranks' own items.
-
-    Stock sends ``torch.tensor([])`` of the metric's dtype (1-D, floating) for an empty list state, so a rank with
-    zero-length items of its own (another dtype or trailing dims) says what they are; among 1-D floating pieces, one
-    of a dtype other than the default; else the first rank's. Every rank sees the same pieces, so all pick alike.
-    """
-    for piece in pieces:
-        if piece.ndim != 1 or not piece.is_floating_point():  # not stock's placeholder for an empty list
-            return piece.dtype
-    default = torch.get_default_dtype()
-    return next((piece.dtype for piece in pieces if piece.dtype != default), pieces[0].dtype)

@@ -1,8 +1,6 @@
 """``IndexedMetric``: exact evaluation whatever the sampler, by keying every sample with its dataset index.
 
-The class owns the states and wires together the parts in :mod:`torchmetrics_varlen._indexed`: argument capture and
-layout checks, ordering and dedup, replay onto the wrapped metric; ``compute()`` goes to one rank where
-``compute_on_rank`` says so.
+The class owns the states and wires together the parts in :mod:`torchmetrics_varlen._indexed`.
 """
 
 import copy
@@ -15,25 +13,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._indexed import (
-    INDEX_NAME,
-    RULES,
-    ArgumentCapture,
-    Dedup,
-    as_tensor,
-    check_sample_index,
-    decode_static,
-    distinct_static,
-    gathered_inputs,
-    replay,
-    sample_ranks,
-)
+from torchmetrics_varlen import _indexed
 from torchmetrics_varlen.metric import Metric
 from torchmetrics_varlen.onerank import one_rank_compute
+from torchmetrics_varlen.sampler import _is_int
 
 __all__ = ["IndexedMetric"]
 
-_INDEX_STATE = INDEX_NAME
+_INDEX_STATE = _indexed.INDEX_NAME
 _STATIC_STATE = "static_args"
 _UPDATES_STATE = "update_sizes"  # one (rank, samples) row per update: where each sample came from
 _INPUT_PREFIX = "input_"
@@ -53,50 +40,33 @@ def _rank_and_size(group: Any) -> tuple[int, int]:
 class IndexedMetric(Metric):
     """Evaluate any metric exactly as one process would, whatever the sampler, by the dataset index of each sample.
 
-    ``torch.utils.data.DistributedSampler`` pads the data set so that every rank gets the same number of samples: some
-    samples are evaluated twice, and a distributed metric counts them twice. Ranks also see the samples in an order
-    that no single process would use, which changes order-sensitive results (``CatMetric``, float sums). Wrap the
-    metric in ``IndexedMetric`` and pass the dataset index of every sample: at ``compute()`` the inputs of all ranks
-    are gathered, ordered by dataset index, each index kept once, and the wrapped metric is computed on the ordered
-    data, without any sync of its own. The result equals, bit for bit, that of one process that updates the wrapped
-    metric once with the whole data set in index order (or in batches of ``update_batch_size``), for any sampler,
-    world size, padding, uneven or empty shards.
+    Padding and the ranks' order change a distributed metric's value (see the "Exact evaluation" docs page). At
+    ``compute()`` the inputs of all ranks are gathered, ordered by dataset index, each index kept once, and the wrapped
+    metric is computed on them: bit for bit one process updating it with the whole data set in index order (or in
+    ``update_batch_size`` batches), for any sampler, world size, padding, uneven or empty shards.
 
     ``update`` and ``forward`` take the wrapped metric's arguments plus the keyword ``sample_index``, a 1-D integer
     tensor with one dataset index per sample. Every tensor argument must hold one entry per sample along dim 0
-    (retrieval ``indexes`` are just another such argument, so query groups survive the reordering). Other arguments
-    (numbers, strings, ...) are passed through to the wrapped metric; they must be identical on every call and every
-    rank.
+    (retrieval ``indexes`` too, so query groups survive the reordering); other arguments are passed through, and must
+    be identical on every call and every rank.
 
-    **Duplicate rule.** With ``duplicates="first"`` (default) the first copy of each index wins: the copy from the
-    lowest rank, and on that rank from the earliest ``update`` call. The padding copies of ``DistributedSampler`` are
-    the same samples, so which one wins does not matter there. With ``duplicates="error"`` every copy is compared with
-    the first one (a cheap check on the ordered data) and ``compute()`` raises ``ValueError`` on every rank when two
-    copies of one index carry different values (NaN equals NaN). ``"first"`` refuses (``ValueError`` on every rank,
-    naming the counts) copies with different values beyond what a padding sampler produces: fewer than
-    ``world_size`` in all, never two on one rank. More than that means per-rank indices were passed (positions within
-    a rank's shard or batch), and keeping the first copy would silently drop most of the data.
+    **Duplicate rule.** With ``duplicates="first"`` (default) the first copy of each index wins: the one from the
+    lowest rank's earliest ``update``. Copies with different values beyond what a padding sampler produces (fewer
+    than ``world_size`` in all, never two on one rank) are refused as per-rank indices. ``duplicates="error"`` refuses
+    any two copies of one index with different values (NaN equals NaN). Either raises ``ValueError`` on every rank.
 
-    The inputs are kept as ``cat`` states, so memory grows with the data set like ``BinaryAUROC(thresholds=None)``
-    does; with ``compute_on_rank=r`` only rank ``r`` gathers them (see
-    :func:`~torchmetrics_varlen.compute_on_rank`). In a :class:`~torchmetrics_varlen.MetricCollection` the
-    collection syncs its members together, so there ``compute_on_rank`` is not used; several ``IndexedMetric``
-    members with the same arguments form one compute group and their inputs travel once.
-
-    Limitations: non-tensor per-sample arguments (lists of strings for text metrics) are rejected; the wrapped
-    metric's ``update`` must name its parameters; ``higher_is_better`` and plotting of the wrapped metric are not
-    carried over.
+    The inputs are kept as ``cat`` states, so memory grows with the data set. In a
+    :class:`~torchmetrics_varlen.MetricCollection` the collection syncs its members together (``compute_on_rank`` is
+    not used there). Not carried over: non-tensor per-sample arguments (rejected), ``higher_is_better``, plotting.
 
     Args:
-        metric: the metric to evaluate: a stock torchmetrics metric or a :class:`~torchmetrics_varlen.Metric`. A copy
-            is kept, reset and with its own sync disabled; its ``update`` must have named parameters (no ``*args`` or
-            ``**kwargs``).
+        metric: the metric to evaluate, stock or :class:`~torchmetrics_varlen.Metric`; a copy is kept, reset, with its
+            own sync disabled. Its ``update`` must have named parameters (no ``*args`` or ``**kwargs``).
         duplicates: ``"first"`` keeps the first copy of each index, ``"error"`` also checks that all copies agree.
         update_batch_size: feed the ordered data to the wrapped metric in updates of this many samples, to reproduce
             bit for bit a single-process loop with that batch size (float sums depend on it). None: one update.
-        compute_on_rank: when set to a rank, ``compute()`` gathers the inputs to that rank only, computes there and
-            broadcasts the result, so the other ranks never hold the whole data set. None: every rank gathers all
-            inputs and computes (two collectives, the usual one-shot sync).
+        compute_on_rank: a rank that alone gathers the inputs and computes, then broadcasts the result (see
+            :func:`~torchmetrics_varlen.compute_on_rank`). None: every rank gathers all inputs and computes.
         kwargs: the keyword arguments of :class:`~torchmetrics_varlen.Metric` (``sync_timeout``, ``process_group``,
             ``dist_sync_on_step``, ...).
 
@@ -142,31 +112,23 @@ class IndexedMetric(Metric):
         super().__init__(**kwargs)
         if not isinstance(metric, StockMetric):
             raise TypeError(f"Expected `metric` to be a torchmetrics.Metric but got {type(metric).__name__}")
-        if duplicates not in RULES:
-            raise ValueError(f"Expected `duplicates` to be one of {RULES} but got {duplicates!r}")
-        if update_batch_size is not None and (
-            isinstance(update_batch_size, bool) or not isinstance(update_batch_size, int) or update_batch_size < 1
-        ):
+        if duplicates not in _indexed.RULES:
+            raise ValueError(f"Expected `duplicates` to be one of {_indexed.RULES} but got {duplicates!r}")
+        if update_batch_size is not None and not (_is_int(update_batch_size) and update_batch_size >= 1):
             raise ValueError(
                 f"Expected `update_batch_size` to be a positive integer or None but got {update_batch_size!r}"
             )
-        if compute_on_rank is not None and (
-            isinstance(compute_on_rank, bool) or not isinstance(compute_on_rank, int) or compute_on_rank < 0
-        ):
+        if compute_on_rank is not None and not (_is_int(compute_on_rank) and compute_on_rank >= 0):
             raise ValueError(
                 f"Expected `compute_on_rank` to be a non-negative integer rank or None but got {compute_on_rank!r}"
             )
-        self._arguments = ArgumentCapture(metric)
+        self._arguments = _indexed.ArgumentCapture(metric)
         template = copy.deepcopy(metric)
         template.reset()
-        template.sync_on_compute = False
-        template._to_sync = False
-        template.dist_sync_on_step = False
+        template.sync_on_compute = template._to_sync = template.dist_sync_on_step = False
         template.distributed_available_fn = _no_process_group
-        self.metric = template
-        self.duplicates = duplicates
-        self.update_batch_size = update_batch_size
-        self.compute_on_rank = compute_on_rank
+        self.metric, self.duplicates = template, duplicates
+        self.update_batch_size, self.compute_on_rank = update_batch_size, compute_on_rank
         self._input_names = self._arguments.input_names
         for name in self._input_names:
             self.add_state(_INPUT_PREFIX + name, default=[], dist_reduce_fx="cat")
@@ -174,7 +136,6 @@ class IndexedMetric(Metric):
         self.add_state(_UPDATES_STATE, default=[], dist_reduce_fx="cat")
         self.add_state(_STATIC_STATE, default=[], dist_reduce_fx=None)
 
-    # ---------------------------------------------------------------------------------------------------- update
     def update(self, *args: Any, sample_index: Tensor | None = None, **kwargs: Any) -> None:
         """Store a batch: the wrapped metric's arguments and the dataset index of every sample.
 
@@ -184,7 +145,7 @@ class IndexedMetric(Metric):
                 argument).
             kwargs: keyword arguments of the wrapped metric's ``update``.
         """
-        index = check_sample_index(sample_index)
+        index = _indexed.check_sample_index(sample_index)
         samples = index.numel()
         tensors, first_static = self._arguments.split(args, kwargs, samples)
         if first_static:
@@ -204,35 +165,32 @@ class IndexedMetric(Metric):
 
     def _reduce_states(self, incoming_state: dict[str, Any]) -> None:
         super()._reduce_states(incoming_state)
-        setattr(self, _STATIC_STATE, distinct_static(getattr(self, _STATIC_STATE)))
+        setattr(self, _STATIC_STATE, _indexed.distinct_static(getattr(self, _STATIC_STATE)))
 
-    # --------------------------------------------------------------------------------------------------- compute
     def compute(self) -> Any:
         """Order the inputs of all ranks by dataset index, keep each index once, and compute the wrapped metric."""
-        static = decode_static(getattr(self, _STATIC_STATE))
-        index = as_tensor(getattr(self, _INDEX_STATE))
+        static = _indexed.decode_static(getattr(self, _STATIC_STATE))
+        index = _indexed.as_tensor(getattr(self, _INDEX_STATE))
         samples = 0 if index is None else index.numel()
-        states = {name: getattr(self, _INPUT_PREFIX + name) for name in self._input_names}
-        inputs = gathered_inputs(states, samples)
+        inputs = _indexed.gathered_inputs({n: getattr(self, _INPUT_PREFIX + n) for n in self._input_names}, samples)
         if index is None or samples == 0:
-            return replay(self.metric, self._arguments.signature, static, {}, None)  # as one process, no data
-        order = Dedup(index)
+            return _indexed.replay(self.metric, self._arguments.signature, static, {}, None)  # as one process, no data
+        order = _indexed.Dedup(index)
         if self.duplicates == "error":
             order.check_all_agree(inputs)
         else:
-            ranks = sample_ranks(as_tensor(getattr(self, _UPDATES_STATE)), samples)
+            ranks = _indexed.sample_ranks(_indexed.as_tensor(getattr(self, _UPDATES_STATE)), samples)
             order.check_padding_like(inputs, ranks, _rank_and_size(self.process_group)[1])
         take = order.take()
         ordered = {name: data[take.to(data.device)] for name, data in inputs.items()}
         del inputs
-        return replay(self.metric, self._arguments.signature, static, ordered, self.update_batch_size)
+        return _indexed.replay(self.metric, self._arguments.signature, static, ordered, self.update_batch_size)
 
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
         every_rank = super()._wrap_compute(compute)
 
         @functools.wraps(compute)
         def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
-            # With `compute_on_rank` set: gather to that rank, compute there, send the result to every rank.
             if self.compute_on_rank is None:
                 return every_rank(*args, **kwargs)
             return one_rank_compute(self, self.compute_on_rank, functools.partial(every_rank, *args, **kwargs))

@@ -1,34 +1,22 @@
 """Join support: ranks that ran out of data shadow the metrics' per-step syncs until every rank is done.
 
-Use :func:`join`: ``with torchmetrics_varlen.join(ddp_model, metric):`` builds a
-:class:`torch.distributed.algorithms.join.Join` in which a rank that ran out of batches takes part in the metrics'
-per-step syncs as a rank with an empty batch (every state at its default), so the other ranks' per-step values and
-the epoch ``compute()`` are exact. The metrics are not joinables of their own: ``join`` wraps them.
+:func:`join` builds a ``Join`` in which a joined rank takes part in the metrics' per-step syncs with an empty batch
+(the "Uneven data and Join" docs page tells the whole story). The non-obvious whys:
 
-Why a side process group and a thread: when the metric is a DDP loss, a running rank issues, per iteration, DDP's
-forward collectives, then the metric's step sync, then DDP's backward all-reduces. DDP's own join hook shadows its
-forward and backward collectives in one call, so a joined rank cannot put the metric's sync between them on the same
-process group. Once some rank has joined, the per-step syncs therefore travel on a gloo process group of their own
-(the side group of the metrics' group, made once: see ``engine.side_link``), and the joined rank shadows them from a
-worker thread, while its main thread runs DDP's hook. Until then they stay on the metric's own group: every rank
-switches at the same sync, decided from Join's count of the running ranks (an all-reduce whose result is equal on
-every rank). The side group is gloo whatever the job's backend: NCCL must not be driven from two threads at once, and
-the worker never touches CUDA (it sends CPU copies of the defaults, made on the main thread).
-
-One side group carries every metric of a join, so the worker cannot know beforehand which metric the running ranks
-sync next. It sends the empty batch of the metric it expects (flagged ``FLAG_SHADOW``); when the exchanged records
-show that the running ranks sync another metric of the join, every rank drops that exchange and runs it again, the
-workers now with the right metric (:func:`verdict`, from the exchanged table alone). The guess follows the order seen
-so far, so a loop that syncs its metrics in the same order every iteration costs a retry only while it is learnt.
-
-Order: DDP's join hook blocks until the running ranks reach their backward pass, after their per-step sync, so the
-metrics' hook runs first; on the way out DDP's post hook runs first (its final model broadcast must run on every rank
-even when a metric has an error to report); errors of the worker are raised when ``join`` exits. A worker that fails
-sends a "failed" record instead of its empty batch, so the running ranks raise at their next per-step sync (naming
-the failing rank). The worker waits for the running ranks up to the group's own timeout: between two of their steps
-they may be busy for long (a checkpoint on rank 0).
+* DDP's join hook shadows a running rank's forward and backward collectives in one call, so a joined rank cannot put
+  the metric's step sync between them on the same group: once some rank has joined (decided by every rank alike, from
+  Join's count of the running ranks), the step syncs travel on a gloo side group (``engine.side_link``), shadowed from
+  a worker thread. Gloo whatever the backend: NCCL must not be driven from two threads at once, and the worker never
+  touches CUDA (it sends CPU copies of the defaults, made on the main thread).
+* One side group carries every metric of a join: the worker sends the empty batch of the metric it expects
+  (``FLAG_SHADOW``, guessed from the order seen so far); when the running ranks sync another one, every rank runs
+  that exchange again (:func:`verdict`, from the exchanged table alone).
+* The metrics' main hook runs first (DDP's blocks until the running ranks' backward, after their step sync), DDP's
+  post hook first (its final model broadcast needs every rank). The worker waits up to the group's own timeout:
+  between two steps a running rank may be busy for long (a checkpoint on rank 0).
 """
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -60,7 +48,6 @@ class JoinShadowError(RuntimeError):
     """The worker that shadows a metric's per-step syncs failed on some rank (raised by :func:`join` on exit)."""
 
 
-# ------------------------------------------------------------------------------------------------------ records
 def step_context(metric: StockMetric, position: int) -> int:
     """The context of a per-step sync on the side group of the join's metric at ``position``.
 
@@ -85,24 +72,21 @@ def verdict(table: Tensor, contexts: Sequence[int]) -> tuple[str, int]:
         return END, 0
     shadow = [bool(row[H_FLAGS] & FLAG_SHADOW) for row in rows]
     running = {context for context, flag in zip(found, shadow) if not flag}
-    if len(running) == 1:
-        context = running.pop()
-        stale = any(flag and seen != context for seen, flag in zip(found, shadow))
-        if stale and context in contexts:
-            return RETRY, context
-        return GO, context
-    return GO, 0
+    if len(running) != 1:
+        return GO, 0
+    (context,) = running
+    stale = any(flag and seen != context for seen, flag in zip(found, shadow))
+    return (RETRY if stale and context in contexts else GO), context
 
 
-def _failed_ranks(table: Tensor) -> list[int]:
-    return [rank for rank, row in enumerate(table[:, H_CONTEXT].tolist()) if row == FAILED]
-
-
-def _failure_message(what: str, ranks: Sequence[int]) -> str:
-    return (
-        f"The Join worker that shadows the per-step syncs of {what} failed on rank"
-        f" {', '.join(map(str, ranks))} of its join group; see that rank's error. The job cannot go on: end it."
-    )
+def _raise_if_failed(side: Link, table: Tensor) -> None:
+    """Raise when the exchanged ``table`` holds a worker's failure record, naming the failing ranks."""
+    failed = [rank for rank, row in enumerate(table[:, H_CONTEXT].tolist()) if row == FAILED]
+    if failed:
+        raise JoinShadowError(
+            f"The Join worker that shadows the per-step syncs of {side.what} failed on rank"
+            f" {', '.join(map(str, failed))} of its join group; see that rank's error. The job cannot go on: end it."
+        )
 
 
 def _cpu_defaults(metric: StockMetric) -> StateDict:
@@ -110,10 +94,10 @@ def _cpu_defaults(metric: StockMetric) -> StateDict:
 
     Made on the main thread: a copy off the GPU, or a tensor subclass's own code, must not run on the worker.
     """
-    values: StateDict = {}
-    for name, value in metric._defaults.items():
-        values[name] = [] if isinstance(value, list) else value.detach().to("cpu", copy=True).as_subclass(Tensor)
-    return values
+    return {
+        name: [] if isinstance(value, list) else value.detach().to("cpu", copy=True).as_subclass(Tensor)
+        for name, value in metric._defaults.items()
+    }
 
 
 def _terminate(side: Link) -> None:
@@ -125,136 +109,30 @@ def _terminate(side: Link) -> None:
         return True
 
     engine.sync(engine.Request([], TERMINATE, "Join.terminate", stop=stop), side)
-    failed = _failed_ranks(seen[0])
-    if failed:
-        raise JoinShadowError(_failure_message(side.what, failed))
+    _raise_if_failed(side, seen[0])
 
 
-# ------------------------------------------------------------------------------------------------- the worker
-class _Shadow:
-    """A joined rank's worker: answers the running ranks' per-step syncs of ``metrics`` until "terminate"."""
+class _Session(JoinHook):
+    """The metrics of one join on this rank: where their per-step syncs go, and the worker of a joined rank.
 
-    def __init__(self, metrics: Sequence[Metric], side: Link, contexts: list[int]) -> None:
-        self.metrics = list(metrics)
-        self.side = side
-        self.contexts = contexts
-        self.errors: list[BaseException] = []
-        self._values: list[StateDict] = []
-        self._start_error: Exception | None = None
-        self._thread: threading.Thread | None = None
-        self._next: dict[tuple[int, ...], int] = {}  # the last two contexts seen -> the one that followed
-        self._history: tuple[int, ...] = ()
-
-    @property
-    def started(self) -> bool:
-        """Whether the worker was started (this rank joined before the others were done)."""
-        return self._thread is not None
-
-    def start(self) -> None:
-        """Snapshot the empty batches on this (the main) thread, then start the worker."""
-        try:
-            self._values = [_cpu_defaults(metric) for metric in self.metrics]
-        except Exception as err:  # raised by the worker, which sends the failure record the running ranks expect
-            self._start_error = err
-        self._thread = threading.Thread(target=self._work, name="torchmetrics-varlen-join", daemon=True)
-        self._thread.start()
-
-    def join(self, timeout: float | None = None) -> None:
-        """Wait for the worker (it ends at the terminate record, or on a failure)."""
-        if self._thread is not None:
-            self._thread.join(timeout=timeout)
-
-    def _guess(self) -> int:
-        if not self._history:
-            return 0
-        context = self._next.get(self._history, self._history[-1])
-        return self.contexts.index(context) if context in self.contexts else 0
-
-    def _work(self) -> None:
-        at_boundary = True  # no exchange of ours is half done: a whole failure record can still be sent
-        try:
-            if self._start_error is not None:
-                raise self._start_error
-            index = self._guess()
-            while True:
-                at_boundary = False
-                outcome, context = self._shadow_once(index)
-                at_boundary = True
-                if outcome == END:
-                    return
-                if outcome == RETRY:  # the running ranks sync another metric: correct the guess, send that one
-                    self._next[self._history] = context
-                    index = self.contexts.index(context)
-                    continue
-                self._next[self._history] = self.contexts[index]
-                self._history = (*self._history, self.contexts[index])[-2:]
-                index = self._guess()
-        except BaseException as err:
-            if isinstance(err, JoinShadowError):  # a peer's worker failed: its rank is named already
-                self.errors.append(err)
-                return
-            rank = self.side.rank
-            wrapped = JoinShadowError(
-                f"The Join worker that shadows the per-step syncs of {self.side.what} failed on rank {rank} of its join"
-                f" group: {type(err).__name__}: {err}"
-            )
-            wrapped.__cause__ = err
-            self.errors.append(wrapped)
-            if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
-                self._send_failure(rank)
-
-    def _shadow_once(self, index: int) -> tuple[str, int]:
-        """One exchange as a rank with an empty batch of metric ``index``: what the table said."""
-        metric = self.metrics[index]
-        seen: list[tuple[str, int]] = []
-        failed: list[int] = []
-
-        def stop(table: Tensor) -> bool:
-            outcome = verdict(table, self.contexts)
-            seen.append(outcome)
-            failed.extend(_failed_ranks(table) if outcome[0] == FAIL else [])
-            return outcome[0] != GO
-
-        empty = layout([metric], "step", [self._values[index]])
-        empty.context = self.contexts[index]
-        # The CPU, not the metric's device: the worker must never touch CUDA (its results are dropped anyway).
-        label = f"{type(metric).__name__}.step"
-        run(empty, self.side, label, FLAG_SHADOW, "step", stop=stop, device=torch.device("cpu"))
-        if failed:
-            raise JoinShadowError(_failure_message(self.side.what, failed))
-        return seen[0]
-
-    def _send_failure(self, rank: int) -> None:
-        """Send a record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch."""
-        try:
-            engine.sync(engine.Request([], FAILED, f"Join failed on rank {rank}", stop=lambda table: True), self.side)
-        except Exception:  # the original error is what gets reported
-            pass
-
-
-# ------------------------------------------------------------------------------------------------ the session
-class _Session:
-    """The metrics of one join on this rank: where their per-step syncs go, and the shadow of a joined rank.
-
-    The per-step syncs travel on the metrics' own process group until some rank has joined, then on the side group.
-    Every rank switches at the same sync because it decides from Join's own count of the running ranks: started at
-    the start of each iteration by the first joinable (on DDP's forward, where ``ddp`` is given; at each per-step
-    sync, for metrics alone), and read before the sync. A rank that joined is blocked in the matching all-reduce of
-    ``Join``, so the count drops below the group size at the first iteration it misses. Where the count cannot be
-    read (a model that is not DDP counts the ranks itself) the syncs use the side group from the first one.
+    The first joinable starts Join's count of the running ranks at each iteration (on DDP's forward, else at each
+    per-step sync), read before the sync: a joined rank is blocked in Join's matching all-reduce, so the count drops
+    at the first iteration it misses. A model that is not DDP counts the ranks itself: the syncs use the side group.
+    As the join's hook: the metrics' main hook first, the model's post hook first (module docstring); none raises.
     """
 
-    def __init__(self, metrics: Sequence[Metric], notifier: Any, ddp: Any, counted: bool) -> None:
-        for metric in metrics:
-            if metric.sync_grads:
-                raise RuntimeError(
-                    "Expected `sync_grads=False` for a metric inside `Join` but got True: a rank that ran out of"
-                    " data cannot shadow the backward pass of a differentiable gather. Use the default rank-local"
-                    " gradient (DDP then gives 1/world_size of the single-process gradient; scale the loss by the"
-                    " world size)."
-                )
+    def __init__(
+        self, metrics: Sequence[Metric], notifier: Any, ddp: Any, counted: bool, model_hook: JoinHook | None
+    ) -> None:
+        if any(metric.sync_grads for metric in metrics):
+            raise RuntimeError(
+                "Expected `sync_grads=False` for a metric inside `Join` but got True: a rank that ran out of"
+                " data cannot shadow the backward pass of a differentiable gather. Use the default rank-local"
+                " gradient (DDP then gives 1/world_size of the single-process gradient; scale the loss by the"
+                " world size)."
+            )
         self.metrics = [metric for i, metric in enumerate(metrics) if not any(metric is m for m in metrics[:i])]
-        self.notifier, self.ddp, self.counted = notifier, ddp, counted
+        self.notifier, self.ddp, self.counted, self.model_hook = notifier, ddp, counted, model_hook
         first = self.metrics[0]
         what = ", ".join(f"`{type(metric).__name__}`" for metric in self.metrics)
         own = link(first.process_group, first.device, first.sync_timeout, f"join of {what}")
@@ -263,9 +141,14 @@ class _Session:
         # Made by every rank of the world the first time (each builds its join at the same point); kept after.
         self.side = engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
         self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
-        self.shadow = _Shadow(self.metrics, self.side, self.contexts)
         self.joined = not counted
-        self.errors: list[BaseException] = []
+        self.errors: list[BaseException] = []  # the hooks' (raised by `join` on exit, after the worker's)
+        self.worker_errors: list[BaseException] = []
+        self._values: list[StateDict] = []
+        self._start_error: Exception | None = None
+        self.thread: threading.Thread | None = None  # the worker, on a rank that joined before the others were done
+        self._next: dict[tuple[int, ...], int] = {}  # the last two contexts seen -> the one that followed
+        self._history: tuple[int, ...] = ()
         self._pending: Any = None
         self._handle = ddp.register_forward_pre_hook(self._on_forward) if ddp is not None else None
         for metric in self.metrics:
@@ -294,17 +177,15 @@ class _Session:
             return None
         position = next(index for index, member in enumerate(self.metrics) if member is metric)  # not `==`
         side = replace(self.side, timeout=metric.sync_timeout, what=f"sync of {label}")
-        contexts = self.contexts
 
         def stop(table: Tensor) -> bool:
-            return verdict(table, contexts)[0] == RETRY
+            return verdict(table, self.contexts)[0] == RETRY
 
-        while True:
+        synced: engine.Synced | None = None
+        while synced is None:  # None: a worker expected another metric of the join, and every rank runs it again
             step_layout = layout([metric], "step")
-            step_layout.context = contexts[position]
+            step_layout.context = self.contexts[position]
             synced = run(step_layout, side, label, 0, "step", stop=stop)
-            if synced is not None:
-                break
         reduced = reduce_results(step_layout, synced, step_layout.state_name)
         return {name: value for (_, name), value in zip(step_layout.classes.keys, reduced)}
 
@@ -317,17 +198,14 @@ class _Session:
             if metric._tv_join is self:
                 metric._tv_join = None
 
-
-class _Hook(JoinHook):
-    """The hooks of a :func:`join`: the metrics' main hook first, the model's post hook first; none raises."""
-
-    def __init__(self, session: _Session, model_hook: JoinHook | None) -> None:
-        self.session = session
-        self.model_hook = model_hook
-
     def main_hook(self) -> None:
-        if not self.session.shadow.started:  # it only starts a thread: the shadow must run before DDP's hook blocks
-            self.session.shadow.start()
+        if self.thread is None:  # it only starts a thread: the worker must run before DDP's hook blocks
+            try:  # the empty batches, snapshot on this (the main) thread
+                self._values = [_cpu_defaults(metric) for metric in self.metrics]
+            except Exception as err:  # raised by the worker, which sends the failure record the running ranks expect
+                self._start_error = err
+            self.thread = threading.Thread(target=self._work, name="torchmetrics-varlen-join", daemon=True)
+            self.thread.start()
         if self.model_hook is not None:
             self.model_hook.main_hook()
 
@@ -336,23 +214,74 @@ class _Hook(JoinHook):
             if self.model_hook is not None:  # DDP's final model broadcast: every rank must take part
                 self.model_hook.post_hook(is_last_joiner)
         finally:
-            session = self.session
             try:  # the ranks that never shadowed (the last joiners) send the terminate record
-                session.shadow.join() if session.shadow.started else _terminate(session.side)
+                self.thread.join() if self.thread is not None else _terminate(self.side)
             except Exception as err:  # a raise here would skip the later hooks; `join` raises it on exit
-                session.errors.append(err)
+                self.errors.append(err)
+
+    def _guess(self) -> int:
+        context = self._next.get(self._history, self._history[-1]) if self._history else self.contexts[0]
+        return self.contexts.index(context) if context in self.contexts else 0
+
+    def _work(self) -> None:
+        """A joined rank's worker: answers the running ranks' per-step syncs until "terminate"."""
+        at_boundary = True  # no exchange of ours is half done: a whole failure record can still be sent
+        try:
+            if self._start_error is not None:
+                raise self._start_error
+            index = self._guess()
+            while True:
+                at_boundary = False
+                outcome, context = self._shadow_once(index)
+                at_boundary = True
+                if outcome == END:
+                    return
+                if outcome == RETRY:  # the running ranks sync another metric: correct the guess, send that one
+                    self._next[self._history] = context
+                    index = self.contexts.index(context)
+                    continue
+                self._next[self._history] = self.contexts[index]
+                self._history = (*self._history, self.contexts[index])[-2:]
+                index = self._guess()
+        except JoinShadowError as err:  # a peer's worker failed: its rank is named already
+            self.worker_errors.append(err)
+        except BaseException as err:
+            rank = self.side.rank
+            wrapped = JoinShadowError(
+                f"The Join worker that shadows the per-step syncs of {self.side.what} failed on rank {rank} of its join"
+                f" group: {type(err).__name__}: {err}"
+            )
+            wrapped.__cause__ = err
+            self.worker_errors.append(wrapped)
+            if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
+                # A record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch.
+                with contextlib.suppress(Exception):  # the original error is what gets reported
+                    request = engine.Request([], FAILED, f"Join failed on rank {rank}", stop=lambda table: True)
+                    engine.sync(request, self.side)
+
+    def _shadow_once(self, index: int) -> tuple[str, int]:
+        """One exchange as a rank with an empty batch of metric ``index``: what the table said."""
+        seen: list[tuple[Tensor, tuple[str, int]]] = []
+
+        def stop(table: Tensor) -> bool:
+            seen.append((table, verdict(table, self.contexts)))
+            return seen[-1][1][0] != GO
+
+        empty = layout([self.metrics[index]], "step", [self._values[index]])
+        empty.context = self.contexts[index]
+        # The CPU, not the metric's device: the worker must never touch CUDA (its results are dropped anyway).
+        label = f"{type(self.metrics[index]).__name__}.step"
+        run(empty, self.side, label, FLAG_SHADOW, "step", stop=stop, device=torch.device("cpu"))
+        table, outcome = seen[0]
+        _raise_if_failed(self.side, table)
+        return outcome
 
 
 class _JoinedGroup(Joinable):
-    """The one joinable :func:`join` hands to ``Join``: the model and the metrics.
-
-    It is the first joinable, and counts the running ranks (on DDP's forward, or at each per-step sync without a
-    model) so that the metrics can read the count; a model that is not DDP counts them itself instead.
-    """
+    """The one joinable :func:`join` hands to ``Join``, the first: the model and the metrics (see ``_Session``)."""
 
     def __init__(self, model: Joinable | None, metrics: list[Metric]) -> None:
-        self.model = model
-        self.metrics = metrics
+        self.model, self.metrics = model, metrics
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
         self.counted = model is None or self.ddp is not None
         self.session: _Session | None = None
@@ -361,8 +290,8 @@ class _JoinedGroup(Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         model_hook = self.model.join_hook(**kwargs) if self.model is not None else None
         notifier = self if self.counted else self.model
-        self.session = _Session(self.metrics, notifier, self.ddp, self.counted)
-        return _Hook(self.session, model_hook)
+        self.session = _Session(self.metrics, notifier, self.ddp, self.counted, model_hook)
+        return self.session
 
     @property
     def join_device(self) -> torch.device:
@@ -392,16 +321,10 @@ def join(model: Joinable | Metric | None, *metrics: Metric, **join_kwargs: Any) 
     """Run a training loop in which ranks may run out of data: ``Join`` with the hooks in a safe order.
 
     Inside ``with join(ddp_model, metric, ...):`` a rank that ran out of batches leaves its loop; until every rank
-    is done it takes part in DDP's collectives (DDP's own join hook) and in each metric's per-step syncs
-    (``dist_sync_on_step=True``) as a rank with an empty batch, so nothing hangs and every value stays exact.
-
-    Builds :class:`torch.distributed.algorithms.join.Join` with one joinable that counts the running ranks (on the
-    DDP model's forward, or at each per-step sync for metrics alone), runs the metrics' hook before the model's (it
-    starts the shadowing thread that DDP's hook waits on) and the model's post hook first (DDP's final model
-    broadcast runs on every rank). The per-step syncs travel on the metrics' own process group until some rank has
-    joined, then on a gloo side group. On exit, whatever happened, the metrics leave the join; an error of the
-    shadowing thread is raised once ``Join`` finished. Every rank of the metrics' process group must enter the same
-    ``join``; the first one on a process group makes its side group, with every rank of the world (each slice of a
+    is done it takes part in DDP's collectives and in each metric's per-step syncs (``dist_sync_on_step=True``) as a
+    rank with an empty batch, so nothing hangs and every value stays exact (see the "Uneven data and Join" docs page).
+    On exit the metrics leave the join, and an error of the shadowing thread is raised. Every rank of the metrics'
+    group must enter the same ``join``; the first one on a group is a collective of the whole world (each slice of a
     ``DeviceMesh`` with its own group, at the same point).
 
     Args:
@@ -444,9 +367,7 @@ class _MetricJoin:
             raise TypeError(f"Expected `model` to be a Joinable (a DDP model) or None but got {type(model).__name__}")
         if model is None and not metrics:
             raise ValueError("Expected a model or at least one metric in `join` but got neither")
-        self.model = model
-        self.metrics = list(metrics)
-        self.join_kwargs = join_kwargs
+        self.model, self.metrics, self.join_kwargs = model, list(metrics), join_kwargs
         self._join: Join | None = None
         self._group: _JoinedGroup | None = None
 
@@ -481,24 +402,26 @@ class _MetricJoin:
         except BaseException as err:
             # A collective of Join (or DDP's hook) gave way, most likely because a peer failed and left: if a worker
             # of ours saw why, that is the error to report. Workers stop at once after a peer's failure record.
-            session = self._session()
-            if session is not None:
-                session.shadow.join(timeout=_SETTLE_SECONDS)
-            shadow = [*session.shadow.errors, *session.errors] if session is not None else []
+            shadow = self._errors(settle=True)
             if shadow:
                 raise JoinShadowError(str(shadow[0])) from err
             raise
         finally:
             self._leave()
-        session = self._session()
-        errors = [*session.shadow.errors, *session.errors] if session is not None else []
+        errors = self._errors()
         if exc is None and errors:
             raise errors[0]
 
-    def _session(self) -> _Session | None:
-        return self._group.session if self._group is not None else None
+    def _errors(self, settle: bool = False) -> list[BaseException]:
+        """The errors of the worker and of the hooks (after waiting a moment for the worker, with ``settle``)."""
+        session = self._group.session if self._group is not None else None
+        if session is None:
+            return []
+        if settle and session.thread is not None:
+            session.thread.join(timeout=_SETTLE_SECONDS)
+        return [*session.worker_errors, *session.errors]
 
     def _leave(self) -> None:
-        session = self._session()
+        session = self._group.session if self._group is not None else None
         if session is not None:
             session.detach()

@@ -18,9 +18,9 @@ class SoftF1Loss(Metric):
     of the current batch of *all* ranks (``dist_sync_on_step=True``); ``compute()`` returns it over every batch since
     the last ``reset()``.
 
-    With ``sync_grads=True`` (the default here) the sync is differentiable across ranks, and under DDP the parameter
-    gradients equal the single-process gradient of the same loss over the concatenated batch; with
-    ``sync_grads=False`` they are exactly ``1 / world_size`` of it (see the "Metrics as losses" docs page).
+    With ``sync_grads=True`` (the default here) the DDP parameter gradients equal the single-process gradient of the
+    same loss over the concatenated batch; with ``sync_grads=False`` exactly ``1 / world_size`` of it (see the
+    "Metrics as losses" docs page).
 
     Args:
         eps: added to the denominator, so that a batch without positives gives a finite loss.
@@ -68,5 +68,4 @@ class SoftF1Loss(Metric):
 
     def compute(self) -> Tensor:
         """The loss over the accumulated (and, across ranks, synced) soft counts."""
-        loss: Tensor = 1 - 2 * self.tp / (2 * self.tp + self.fp + self.fn + self.eps)
-        return loss
+        return 1 - 2 * self.tp / (2 * self.tp + self.fp + self.fn + self.eps)

@@ -13,16 +13,9 @@ def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
     """Return the process group that joins this rank with the ranks of the same mesh slice along ``dims``.
 
     Pass it as ``process_group=`` to a metric. Name the dimensions whose ranks hold *different* samples (or tokens)
-    and leave out those whose ranks hold copies of the same ones, so that each sample is counted once:
-
-    * data parallel, FSDP, ZeRO (``("dp",)`` or the whole world): every rank has its own samples;
-    * FSDP or DDP with tensor parallelism, mesh ``("dp", "tp")``: sync over ``"dp"``; the ``"tp"`` ranks of a slice
-      hold the same batch (and the same outputs once gathered), so syncing over them would count it ``tp`` times;
-    * HSDP, mesh ``("replicate", "shard")`` (plus ``"tp"``): sync over ``("replicate", "shard")``;
-    * data with context (sequence) parallelism, mesh ``("dp", "cp")`` (plus ``"tp"``): sync token-level states over
-      ``("dp", "cp")``: the ``"cp"`` ranks hold different tokens of the same sequences. Per-sample metrics that need
-      whole sequences must gather the sequence over ``"cp"`` first and then sync over ``"dp"`` only;
-    * pipeline parallelism: compute metrics on the last stage and sync over its data-parallel dimension.
+    and leave out those whose ranks hold copies of the same ones, so that each sample is counted once: ``"dp"`` with
+    tensor parallelism (mesh ``("dp", "tp")``), ``("replicate", "shard")`` for HSDP, ``("dp", "cp")`` for token-level
+    states under context parallelism (the "Frameworks" docs page has the table).
 
     One dimension gives the mesh's own group (``mesh.get_group(dim)``). Several dimensions give a group of their
     own, made on the first call for that mesh and those dimensions: that first call is a collective of the whole
@@ -51,8 +44,7 @@ def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
     if names is None or not hasattr(mesh, "get_group"):
         raise ValueError(f"Expected `mesh` to be a DeviceMesh with `mesh_dim_names` but got {type(mesh).__name__}")
     wanted = (dims,) if isinstance(dims, str) else tuple(dims)
-    unknown = [name for name in wanted if name not in names]
-    if not wanted or unknown or len(set(wanted)) != len(wanted):
+    if not wanted or any(name not in names for name in wanted) or len(set(wanted)) != len(wanted):
         raise ValueError(
             f"Expected `dims` to be distinct names among the mesh's dimensions {tuple(names)} but got {dims!r}"
         )

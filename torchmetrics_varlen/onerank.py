@@ -1,21 +1,8 @@
 """One-rank compute: gather the states to one rank only, compute there, broadcast the result to every rank.
 
-The protocol is the one of every other sync (see "How the sync works"), with the data exchange
-replaced by a gather to the destination rank:
-
-1. every rank describes its states and the records are all-gathered, so every rank reaches the same plan, raises the
-   same errors;
-2. every rank packs its states into one ``uint8`` buffer of the agreed transfer size, and ``torch.distributed.gather``
-   moves the buffers to the destination rank only; states whose largest rank holds many bytes (or past the transfer
-   cap) move instead by ``all_to_all_single`` calls in which one rank sends to the destination alone, so the
-   destination receives the true sizes (the engine's one-rank data step);
-3. the destination rank unpacks and reduces the states exactly as a normal sync does, computes, and sends the outcome
-   (the value, or the exception it raised) to every rank (the engine's ``share``). The other ranks wait for it up to
-   the group's own timeout (the destination is busy computing, not missing), whatever ``sync_timeout`` says.
-
-The other ranks never hold more than their own states and one transfer buffer, so metrics whose states grow with the
-data set (AUROC, retrieval, ``cat`` states in general) can be computed on large evaluation sets without every rank
-holding the whole set. This module calls no collective itself.
+The protocol of every other sync (see the "How the sync works" docs page), with the data step replaced by a gather
+to the destination rank, which reduces the states as a normal sync does, computes, and sends the outcome (the value,
+or the exception it raised) to every rank. This module calls no collective itself.
 """
 
 import io
@@ -29,7 +16,7 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
 from torchmetrics_varlen._sync import engine, move
-from torchmetrics_varlen._sync.group import Link, default_timeout, link
+from torchmetrics_varlen._sync.group import default_timeout, link
 from torchmetrics_varlen._sync.record import FLAG_CACHED
 from torchmetrics_varlen._sync.states import Layout, every_rank_cached, layout, reduce_results, run
 from torchmetrics_varlen.metric import Metric
@@ -40,20 +27,14 @@ __all__ = ["compute_on_rank"]
 def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
     """Compute a metric from the states of every rank on rank ``dst`` only, and return the result on every rank.
 
-    Call it on every rank instead of ``metric.compute()``. The states travel to ``dst`` alone (one metadata
-    all-gather, one gather of the data to ``dst``; large states by one ``all_to_all_single`` per rank, so ``dst``
-    receives and allocates their true sizes, however skewed the ranks), ``dst`` computes the metric as a normal
-    ``compute()`` would, and the result is broadcast, so the other ranks never hold the whole data set: use it for
-    metrics whose states grow with the data (``BinaryAUROC(thresholds=None)``, retrieval metrics) on large
-    evaluation sets.
+    Call it on every rank instead of ``metric.compute()``. The states travel to ``dst`` alone (their true sizes,
+    however skewed the ranks), which computes as ``compute()`` would and broadcasts the result: the other ranks never
+    hold the whole data set. For metrics whose states grow with the data (``BinaryAUROC(thresholds=None)``, retrieval).
 
-    * The result is the value ``metric.compute()`` returns after a normal sync, bit for bit: the same reductions run
-      on the same states. It may be any nesting of tensors in dicts, lists and tuples; every rank gets it on the
-      metric's device, without autograd history.
-    * Works with stock torchmetrics metrics and :class:`~torchmetrics_varlen.Metric` subclasses, on uneven and empty
-      ranks. The metric's own ``dist_sync_fn`` is not used.
-    * The ``compute()`` cache takes part as in ``compute()``: when every rank's cached result is valid, only the
-      records move and it is returned. The result is cached as ``compute()`` would cache it.
+    * The result is the value ``compute()`` returns after a normal sync, bit for bit: any nesting of tensors in dicts,
+      lists and tuples, on the metric's device on every rank, without autograd history.
+    * Works with stock metrics and :class:`~torchmetrics_varlen.Metric` subclasses, on uneven and empty ranks; the
+      metric's own ``dist_sync_fn`` is not used. The ``compute()`` cache takes part as in ``compute()``.
     * An error while computing on ``dst`` is raised on every rank (same type and message), never a hang.
     * Without a process group, in a group of one, with ``sync_on_compute=False``, or on a metric already synced by
       ``sync()``, this is ``metric.compute()``.
@@ -77,39 +58,29 @@ def compute_on_rank(metric: StockMetric, dst: int = 0) -> Any:
         >>> from torchmetrics_varlen.onerank import compute_on_rank
         >>> metric = BinaryAUROC(thresholds=None)
         >>> metric.update(torch.tensor([0.1, 0.8, 0.6, 0.3]), torch.tensor([0, 1, 1, 0]))
-        >>> compute_on_rank(metric, dst=0)
+        >>> compute_on_rank(metric, dst=0)  # in a job: on every rank, instead of metric.compute()
         tensor(1.)
-
-        In a job, every rank calls it at the same point (rank 0 computes, every rank gets the value):
-
-        >>> value = compute_on_rank(metric)  # instead of metric.compute()
     """
     if not isinstance(metric, StockMetric):
         raise TypeError(f"Expected `metric` to be a torchmetrics.Metric but got {type(metric).__name__}")
     return one_rank_compute(metric, dst, metric.compute)
 
 
-def _check_dst(dst: Any, world_size: int | None) -> int:
-    if isinstance(dst, bool) or not isinstance(dst, int) or dst < 0:
-        raise ValueError(f"Expected `dst` to be a non-negative integer rank but got {dst!r}")
-    if world_size is not None and dst >= world_size:
-        raise ValueError(f"Expected `dst` to be a rank of the process group (0 to {world_size - 1}) but got {dst}")
-    return dst
-
-
 def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) -> Any:
     """:func:`compute_on_rank` with the fallback ``local`` called when no sync is needed (shared with IndexedMetric)."""
-    group = metric.process_group
     timeout = getattr(metric, "sync_timeout", None) if isinstance(metric, Metric) else default_timeout()
     phase = f"onerank{dst}." + ("compute" if metric._should_unsync else "step")
     label = f"{type(metric).__name__}.{phase}"
     # The backend and device come from the metric's device, never from the states (a rank whose list states are
     # empty would pick another backend of a "cpu:gloo,cuda:nccl" group).
-    sync_link = link(group, metric.device, timeout, f"sync of {label}")
-    _check_dst(dst, sync_link.size if sync_link is not None else None)
+    sync_link = link(metric.process_group, metric.device, timeout, f"sync of {label}")
+    if isinstance(dst, bool) or not isinstance(dst, int) or dst < 0:
+        raise ValueError(f"Expected `dst` to be a non-negative integer rank but got {dst!r}")
+    if sync_link is not None and dst >= sync_link.size:
+        raise ValueError(f"Expected `dst` to be a rank of the process group (0 to {sync_link.size - 1}) but got {dst}")
     if sync_link is None or not metric._to_sync or metric._is_synced or not metric.distributed_available_fn():
         return local()
-    cached = metric._computed is not None and metric.compute_with_cache
+    flags = FLAG_CACHED if metric._computed is not None and metric.compute_with_cache else 0
     if metric._update_count == 0:  # `update_called` is deprecated in torchmetrics
         warnings.warn(
             f"The ``compute`` method of metric {type(metric).__name__} was called before the ``update`` method"
@@ -119,14 +90,16 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
         )
     # dst is part of what is synced (the phase): ranks that disagree on it raise instead of pairing wrongly.
     sync_layout = layout([metric], phase)
-    flags = FLAG_CACHED if cached else 0
     synced = run(sync_layout, sync_link, label, flags, dst=dst, stop=every_rank_cached)
     if synced is None:  # every rank's cached result is valid: it is the global value
         return metric._computed
     outcome = _compute_here(metric, sync_layout, synced) if sync_link.rank == dst else None
     # The others wait for the destination's result up to the group's own timeout: it is computing, not missing.
-    shared = replace(sync_link, timeout=None)
-    ok, value = _share_outcome(outcome, dst, shared, metric)
+    data = _encode_outcome(outcome) if outcome is not None else None
+    received = move.share(data, dst, replace(sync_link, timeout=None))
+    ok, value = outcome if outcome is not None else torch.load(io.BytesIO(received), weights_only=False)
+    if outcome is None and ok:  # the destination keeps its own objects
+        value = _map_tensors(value, lambda tensor: tensor.to(metric.device))
     if not ok:
         raise value
     if metric.compute_with_cache:
@@ -135,10 +108,7 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
 
 
 def _compute_here(metric: StockMetric, sync_layout: Layout, synced: engine.Synced) -> tuple[bool, Any]:
-    """On the destination rank: reduce the gathered states and compute; any error becomes the outcome.
-
-    The gathered buffers are dropped as the states are reduced, so that they are not alive while the metric computes.
-    """
+    """On the destination: reduce the states (dropping the gathered buffers), compute; any error is the outcome."""
     try:
         names = [name for _, name in sync_layout.classes.keys]
         states = dict(zip(names, reduce_results(sync_layout, synced, sync_layout.state_name)))
@@ -180,40 +150,22 @@ def _portable(tensor: Tensor) -> Tensor:
 
 
 def _encode_outcome(outcome: tuple[bool, Any]) -> bytes:
+    """The destination's outcome as bytes (``torch.save``); an unpicklable one becomes an error to raise."""
+
+    def dumps(value: Any) -> bytes:
+        stream = io.BytesIO()
+        torch.save(value, stream)
+        return stream.getvalue()
+
     ok, value = outcome
     if ok:
         try:
-            return _dumps((True, _map_tensors(value, _portable)))
+            return dumps((True, _map_tensors(value, _portable)))
         except Exception as err:  # an unpicklable result: every rank raises instead
             value = RuntimeError(
                 f"one-rank compute: the result ({type(value).__name__}) cannot be sent to the other ranks: {err}"
             )
     try:
-        return _dumps((False, value))
+        return dumps((False, value))
     except Exception:
-        return _dumps((False, RuntimeError(f"{type(value).__name__}: {value}")))
-
-
-def _dumps(value: Any) -> bytes:
-    stream = io.BytesIO()
-    torch.save(value, stream)
-    return stream.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _share_outcome(
-    outcome: tuple[bool, Any] | None, dst: int, sync_link: Link, metric: StockMetric
-) -> tuple[bool, Any]:
-    """Send the destination rank's outcome to every rank; the destination keeps its own objects."""
-    data = _encode_outcome(outcome) if outcome is not None else None
-    received = move.share(data, dst, sync_link)
-    if outcome is not None:
-        return outcome
-    ok, value = _loads(received)
-    if ok:
-        target = metric.device
-        value = _map_tensors(value, lambda t: t.to(target))
-    return ok, value
+        return dumps((False, RuntimeError(f"{type(value).__name__}: {value}")))
