@@ -87,6 +87,29 @@ def test_join_with_ddp_loss_does_not_hang_and_is_exact(world_size):
         torch.testing.assert_close(result["epoch"], result["expected"])
 
 
+def body_join_model_alone(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    steps = 0
+    with join(model):  # no metric: plain Join on the model (it used to fail with an IndexError)
+        for x, y in _batches(rank, STEPS[world_size][rank]):
+            optimizer.zero_grad()
+            ((model(x.double()).squeeze(-1) - y.double()) ** 2).mean().backward()
+            optimizer.step()
+            steps += 1
+    return steps, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_with_a_model_alone_is_plain_join(world_size):
+    results = run_distributed(body_join_model_alone, world_size, deadline=60)
+    for rank, (steps, weights) in enumerate(results):
+        assert steps == STEPS[world_size][rank]
+        for weight, first in zip(weights, results[0][1], strict=True):  # Join's DDP hook: one model on every rank
+            torch.testing.assert_close(weight, first)
+
+
 def body_join_several_syncs_per_iteration(rank, world_size):
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double())

@@ -384,9 +384,9 @@ class _MetricJoin:
             )
         if link(groups[0], None, None, "join") is None:
             return self  # a group of one: nothing to shadow
-        self._group = _JoinedGroup(self.model, self.metrics)
+        self._group = _JoinedGroup(self.model, self.metrics) if self.metrics else None  # a model alone: plain Join
         try:
-            self._join = Join([self._group], **self.join_kwargs)
+            self._join = Join([self._group or self.model], **self.join_kwargs)  # type: ignore[list-item]
         except BaseException:
             self._leave()
             raise
