@@ -1,10 +1,8 @@
 """Refusals every rank raises alike from the exchanged records, and the text that says why.
 
-The checks themselves read the ``[world_size, words]`` table that every rank holds alike (see
-:mod:`.record`), so every rank raises the same `SyncMismatchError` (or `ValueError`) at the same
-step and none is left waiting in a collective. ``check_headers`` runs first, on the headers; the plan raises through
-``raise_uneven`` and ``refuse_host_grad`` once it has read the entries (see :mod:`.plan`). Each
-message names what differs and lists each rank's value (``rank_lines``).
+The checks read the ``[world_size, words]`` table every rank holds alike (:mod:`.record`), so every rank raises the
+same `SyncMismatchError` (or `ValueError`) at the same step, none left waiting in a collective: ``check_headers``
+first, then the plan through ``raise_uneven`` and ``refuse_host_grad``. Messages list each rank's value.
 """
 
 from collections.abc import Callable
@@ -15,13 +13,6 @@ from torch import Tensor
 
 from torchmetrics_varlen._sync.record import (
     DTYPES,
-    E_DIMS,
-    E_DTYPE,
-    E_ITEMS,
-    E_KIND,
-    E_NDIM,
-    E_NUMEL,
-    ENTRY_LEN,
     ERR_DIM,
     ERR_DTYPE,
     ERR_LAYOUT,
@@ -39,7 +30,6 @@ from torchmetrics_varlen._sync.record import (
     H_LABEL,
     H_MAGIC,
     H_N,
-    HEADER_LEN,
     KIND_LIST,
     KIND_TENSOR,
     LABEL_WORDS,
@@ -69,10 +59,7 @@ _ERROR_TEXT = MappingProxyType(
 
 
 def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None = None) -> None:
-    """Raise `SyncMismatchError` (on every rank alike) when the ranks are not syncing the same thing.
-
-    ``names`` names the entry at a position (a metric's state), for the message of a rank's local problem.
-    """
+    """Raise `SyncMismatchError` on every rank alike when the ranks do not sync the same thing (``names``: entries)."""
     if not bool((table[:, H_MAGIC] == MAGIC).all()):
         bad = (table[:, H_MAGIC] != MAGIC).nonzero().flatten().tolist()
         raise SyncMismatchError(
@@ -115,31 +102,24 @@ def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None =
         rank = failing[0]
         error, entry = int(table[rank, H_ERROR]), int(table[rank, H_ERROR_ENTRY])
         name = f"`{names(entry)}`" if names is not None else f"entry {entry}"
-        if error == ERR_OBJECT:
-            _raise_unpicklable(table, rank, entry, name, what)
+        if error == ERR_OBJECT:  # the item's index and type ride after the rank's slots
+            item, type_name = object_detail(table[rank, record_words(int(table[rank, H_N])) :].tolist())
+            raise SyncMismatchError(
+                f"{what}: expected every item of list state {name} to be a tensor or a picklable object, but item"
+                f" {item} on rank {rank} is a `{type_name}` that pickle refuses; it cannot be synced. Keep tensors,"
+                " numbers, strings or other picklable values in list states (convert the item, or give its class"
+                " `__reduce__`)."
+            )
         raise SyncMismatchError(
             f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
             " be synced.\n" + rank_lines(table, entry)
         )
 
 
-def _raise_unpicklable(table: Tensor, rank: int, entry: int, name: str, what: str) -> None:
-    """Rank ``rank``'s list state holds an item pickle refused: its index and type ride after its slots."""
-    start = record_words(int(table[rank, H_N]))
-    item, type_name = object_detail(table[rank, start:].tolist())
-    raise SyncMismatchError(
-        f"{what}: expected every item of list state {name} to be a tensor or a picklable object, but item {item} on"
-        f" rank {rank} is a `{type_name}` that pickle refuses; it cannot be synced. Keep tensors, numbers, strings"
-        " or other picklable values in list states (convert the item, or give its class `__reduce__`)."
-    )
-
-
 class ObjectsBesideTensorsError(SyncMismatchError):
     """Some ranks hold objects in a list state where others hold tensors only: every rank sends it again as objects.
 
-    Raised alike on every rank from the exchanged records, before any data moves; the states layer catches it and
-    syncs once more with those states encoded as objects on every rank (see :mod:`.objects`). Only a caller that
-    cannot do so sees it, as the mismatch it is.
+    The states layer catches it and syncs again with those states as objects (:mod:`.objects`); others see a mismatch.
     """
 
     def __init__(self, what: str, positions: list[int], names: Callable[[int], str]) -> None:
@@ -173,11 +153,7 @@ def raise_uneven(
     what: str,
     names: Callable[[int], str],
 ) -> None:
-    """Raise `SyncMismatchError` for the first entry with a problem (``problems``: ``[check, m]``), its first check.
-
-    ``codes``, ``ndims`` and ``nonempty`` are ``[m, W]``. The message names the entry (``names``) and lists each
-    rank's shape and dtype there.
-    """
+    """Raise `SyncMismatchError` for the first entry with a problem (``problems``: ``[check, m]``), its first check."""
     position = problems.any(dim=0).tolist().index(True)
     check, index = problems[:, position].tolist().index(True), indices[position]
     name = names(index)
@@ -213,16 +189,13 @@ def rank_lines(table: Tensor, entry: int | None = None) -> str:
     for rank, row in enumerate(table.tolist()):
         text = f"  rank {rank}: {decode_text(row[H_LABEL : H_LABEL + LABEL_WORDS]) or '?'}"
         if entry is not None and entry < row[H_N] and len(row) >= record_words(entry + 1):
-            packed = row[HEADER_LEN + entry * ENTRY_LEN : HEADER_LEN + (entry + 1) * ENTRY_LEN]
-            slot = unpack_slots(torch.tensor(packed, dtype=torch.int64)).tolist()
-            if slot[E_KIND] == KIND_LIST:
-                items, numel, ndim = slot[E_ITEMS], slot[E_NUMEL], slot[E_NDIM]
-                joined = "mixed" if ndim > MAX_NDIM else str(("*", *slot[E_DIMS + 1 : E_DIMS + ndim])).replace("'", "")
-                text += f", list of {items} tensors, {numel} elements, joined shape={joined}"
-                text += f", dtype={dtype_name(slot[E_DTYPE])}"
-            elif slot[E_KIND] == KIND_TENSOR:
-                shape = tuple(slot[E_DIMS : E_DIMS + slot[E_NDIM]])
-                text += f", shape={shape}, dtype={dtype_name(slot[E_DTYPE])}"
+            packed = torch.tensor(row[record_words(entry) : record_words(entry + 1)], dtype=torch.int64)
+            kind, code, numel, items, _, ndim, *dims = unpack_slots(packed).tolist()  # see ``E_*``
+            if kind == KIND_LIST:
+                joined = "mixed" if ndim > MAX_NDIM else str(("*", *dims[1:ndim])).replace("'", "")
+                text += f", list of {items} tensors, {numel} elements, joined shape={joined}, dtype={dtype_name(code)}"
+            elif kind == KIND_TENSOR:
+                text += f", shape={tuple(dims[:ndim])}, dtype={dtype_name(code)}"
         lines.append(text)
     return "\n".join(lines)
 

@@ -1,18 +1,16 @@
 """Packing: this rank's entries into the buffers a sync sends (pure: nothing here communicates).
 
-* :func:`pack` copies the gathered entries into one ``uint8`` send buffer laid out by the plan (dense entries grouped
-  by dtype, then each uneven entry's item shape table and data);
+* :func:`pack` copies the gathered entries into one ``uint8`` send buffer laid out by the plan;
 * :func:`pack_reduced` copies the all-reduced entries into one flat buffer per reduce group, each encoded for it;
-* the **broadcast route** (:func:`allocate`, :func:`own_data`, :func:`sections`, :func:`rounds`): a state whose
-  largest rank holds many bytes gets its result allocated first, every rank's data in rank order; this rank's own data
-  goes into its section and one broadcast per rank that holds data fills the others' sections in place, so every
-  rank receives the true sizes and allocates only the result. Every section moves as bytes (``uint8``), so a dtype a
-  backend cannot reduce or broadcast (gloo's ``int16``, NCCL's ``uint32``) moves as any other;
+* the **broadcast route** (:func:`allocate`, :func:`own_data`, :func:`sections`, :func:`rounds`): a large or skewed
+  state's result is allocated first (every rank's data in rank order) and one broadcast per rank holding data fills
+  its section in place, so ranks receive the true sizes and allocate only the result. Sections move as ``uint8``: a
+  dtype a backend cannot reduce or broadcast (gloo's ``int16``, NCCL's ``uint32``) moves as any other;
 * the **one-rank route** (:func:`pieces`): ``compute_on_rank``'s destination receives every other rank's sections as
   contiguous spans of each result, cut into pieces of at most the cap, one collective each.
 
-Tensors are copied to and from the buffer device with ``Tensor.to``, a no-op on the same device, so states on any
-device take the same path. A tensor with a conjugate or negative bit is resolved before its bytes are read.
+States on any device take one path (``Tensor.to`` is a no-op on the same device). A tensor with a conjugate or
+negative bit is resolved before its bytes are read.
 """
 
 from collections.abc import Callable, Sequence
@@ -98,10 +96,7 @@ def pack(entries: Sequence[LocalEntry], plan: Plan, rank: int, buffer: Tensor) -
 
 
 def _sections(plan: Plan, rank: int) -> list[Section]:
-    """Per entry, where this rank's section of a gathered entry begins, its shape table's bytes and its elements.
-
-    None for the dense entries (their groups are packed together). Worked out once per plan and rank.
-    """
+    """This rank's ``Section`` of each entry (``plan.Section``), worked out once per plan and rank."""
     found = plan.unpack_memo.sections.get(rank)
     if found is None:
         found = plan.unpack_memo.sections[rank] = [
@@ -117,9 +112,8 @@ def _copy_items(items: list[Tensor], section: Tensor, device: torch.device) -> N
     """The items' elements, in order, into ``section`` (exactly their number of elements)."""
     first = items[0]
     if first.dim() and first.numel():
-        # Items of one trailing shape on the buffer's device (a `cat` state's batches) go in one `cat` into the
-        # section viewed in that shape; anything else (0-d or empty first items, other shapes or devices) is refused
-        # by `cat` (the numbers of elements are equal, so the view's shape is the one `cat` makes) and flattened.
+        # Items of one trailing shape on the buffer's device (a `cat` state's batches) go in one `cat` into the section
+        # viewed in that shape (equal element counts); `cat` refuses the rest (0-d, empty, other shapes or devices).
         try:
             torch.cat(items, out=section.view(-1, *first.shape[1:]))
             return
@@ -180,11 +174,9 @@ def own_data(
 ) -> tuple[dict[int, Tensor], list[tuple[Tensor, Tensor]]]:
     """This rank's data of each routed entry, as the source of what it sends: ``(sources, later)``.
 
-    A state held as one contiguous tensor of the entry's dtype on ``device`` is sent from itself, and its copy into
-    its section of the result is returned in ``later`` (``(section, tensor)`` pairs), to run while the data moves.
-    Any other (a list of several items, another device) is copied into its section now, the source. ``buffers``: the
-    results, where this rank receives them (empty on the ranks other than a one-rank sync's destination, which copy
-    such a state into a buffer of its own size).
+    A state held as one contiguous tensor of the entry's dtype on ``device`` is sent from itself; its copy into its
+    section of the result (``buffers``) is left in ``later``, to run while the data moves. Any other is copied into its
+    section now (into a buffer of its own on a one-rank sync's other ranks, which receive no results).
     """
     sources: dict[int, Tensor] = {}
     later: list[tuple[Tensor, Tensor]] = []
@@ -233,11 +225,7 @@ def chunk_elements(cap: int, itemsize: int) -> int:
 
 
 def sections(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[tuple[int, Tensor]]:
-    """The ``(source rank, tensor)`` of every broadcast, in the order every rank issues them.
-
-    Per entry, per rank holding data: its section of the result (this rank's own: its source), in chunks of at most
-    ``plan.cap`` bytes.
-    """
+    """Every broadcast's ``(source rank, tensor)`` in issue order: per entry and rank with data, a section's chunks."""
     out: list[tuple[int, Tensor]] = []
     for index in plan.broadcast:
         eplan = plan.entries[index]
@@ -257,11 +245,11 @@ class Round:
     """One collective of the grouped broadcast route: every rank's chunk of one routed entry (``parts``).
 
     ``whole``: where the chunks are the ranks' whole sections, all of one size, the result itself (they lie back to
-    back in it, in rank order): one ``all_gather_into_tensor`` straight into it, with no temporary. Else a list
-    ``all_gather`` into the parts. ``ProcessGroupNCCL::allgather`` runs one of unequal parts as a group of broadcasts
-    and one of equal parts through a temporary of the whole round that it copies out of; the source of torch 2.15's
-    default ``ProcessGroupNCCL2`` was not read (it is not in the wheel). So rounds go one at a time, each waited for
-    before the next is issued: at most one temporary, of at most the cap, is alive, whatever the implementation.
+    back in it): one ``all_gather_into_tensor`` straight into it, with no temporary. Else a list ``all_gather`` into the
+    parts. ``ProcessGroupNCCL::allgather`` runs one of unequal parts as a group of broadcasts and one of equal parts
+    through a temporary of the whole round; torch 2.15's default ``ProcessGroupNCCL2`` was not read (not in the wheel).
+    So rounds go one at a time, each waited for: at most one temporary (at most the cap) is alive, whatever the
+    implementation.
     """
 
     parts: list[Tensor]
@@ -271,16 +259,13 @@ class Round:
 def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int) -> list[Round]:
     """The broadcast route grouped: per routed entry and chunk, one tensor per rank, in the order every rank issues.
 
-    Round ``k`` of an entry holds every rank's ``k``-th chunk of its section (this rank's own: its source), an empty
-    tensor where a rank has fewer chunks or no data. A round moves at most the cap in all (chunks of ``cap / W``).
-    The same sections as :func:`sections`, in rounds.
+    Round ``k`` holds every rank's ``k``-th chunk (of at most ``cap / W``) of its section, empty where a rank has none.
     """
     out: list[Round] = []
-    world = plan.world_size
     for index in plan.broadcast:
         eplan = plan.entries[index]
         assert eplan.dtype is not None
-        chunk = chunk_elements(max(plan.cap // world, 1), eplan.dtype.itemsize)
+        chunk = chunk_elements(max(plan.cap // plan.world_size, 1), eplan.dtype.itemsize)
         counts = eplan.numels.tolist()
         per_rank: list[tuple[Tensor, ...]] = []
         start = 0
@@ -293,32 +278,22 @@ def rounds(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], r
             continue
         nothing = buffers[index][:0].view(torch.uint8)
         for k in range(max((len(parts) for parts in per_rank), default=0)):
-            parts = [parts[k] if k < len(parts) else nothing for parts in per_rank]
-            out.append(Round(parts))
+            out.append(Round([parts[k] if k < len(parts) else nothing for parts in per_rank]))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- one-rank route
 @dataclass
 class Piece:
-    """One collective of a one-rank sync's broadcast route: a contiguous span of one entry's result on ``dst``.
+    """One collective of a one-rank sync's broadcast route: a contiguous span of one entry's result on ``dst``."""
 
-    Args:
-        counts: bytes of each rank's part in the piece (0 for ranks outside it, and for ``dst``).
-        received: on ``dst``, the piece of the result (``uint8``); else None.
-        sent: on a rank with a part in the piece, that part of its data (``uint8``); else None.
-    """
-
-    counts: list[int]
-    received: Tensor | None = None
-    sent: Tensor | None = None
+    counts: list[int]  # bytes of each rank's part in the piece (0 for ranks outside it, and for ``dst``)
+    received: Tensor | None = None  # on ``dst``: the piece of the result (``uint8``)
+    sent: Tensor | None = None  # on a rank with a part in the piece: that part of its data (``uint8``)
 
 
 def pieces(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], rank: int, dst: int) -> list[Piece]:
-    """The pieces of a one-rank sync, in the order every rank issues them (see the module docstring).
-
-    ``buffers``: the results (on ``dst`` only); ``sources``: this rank's data of each routed entry.
-    """
+    """A one-rank sync's pieces in issue order (``buffers``: the results, on ``dst``; ``sources``: this rank's data)."""
     out: list[Piece] = []
     for index in plan.broadcast:
         eplan = plan.entries[index]
@@ -327,8 +302,7 @@ def pieces(plan: Plan, buffers: dict[int, Tensor], sources: dict[int, Tensor], r
         starts = [sum(sizes[:src]) for src in range(len(sizes))]
         result = _bytes(buffers[index]) if rank == dst else None
         source = _bytes(sources[index]) if rank != dst and sizes[rank] else None
-        spans = ((0, starts[dst]), (starts[dst] + sizes[dst], sum(sizes)))
-        for begin, end in spans:
+        for begin, end in ((0, starts[dst]), (starts[dst] + sizes[dst], sum(sizes))):
             for low in range(begin, end, max(plan.cap, 1)):
                 high = min(low + max(plan.cap, 1), end)
                 counts = [max(0, min(high, s + n) - max(low, s)) for s, n in zip(starts, sizes, strict=True)]
@@ -346,6 +320,4 @@ def _bytes(tensor: Tensor) -> Tensor:
 
 def scratch_bytes(all_pieces: list[Piece], rank: int, dst: int) -> int:
     """Bytes of the scratch buffer a rank other than ``dst`` receives the grouped pieces into (0 on ``dst``)."""
-    if rank == dst:
-        return 0
-    return max((sum(piece.counts) - piece.counts[rank] for piece in all_pieces), default=0)
+    return 0 if rank == dst else max((sum(piece.counts) - piece.counts[rank] for piece in all_pieces), default=0)

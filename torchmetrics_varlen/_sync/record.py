@@ -8,13 +8,11 @@ A sync begins with every rank writing a record (:func:`describe`) and the ranks 
   rank raises it together), the record's own length and this rank's transfer cap;
 * one **slot** per entry (``ENTRY_LEN`` words): kind, dtype, element and item count, an auxiliary word (a ``mean``
   state's update count), the shape;
-* optionally **data**: a few small dense states ride in the record itself (``FLAG_INLINE``), laid out by
-  :func:`dense_layout` (on the host, :func:`inline_data`; on a device, :func:`device_data`): the metadata exchange is
-  then the whole sync.
+* optionally **data**: a few small dense states ride in the record itself (``FLAG_INLINE``; :func:`inline_data`,
+  :func:`device_data`): the metadata exchange is then the whole sync.
 """
 
 import array
-import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,11 +30,7 @@ class Ref:
 
 
 class ObjectList(list[Tensor]):
-    """A list state holding Python objects, as it travels: ``uint8`` items (see :mod:`.objects`).
-
-    Its slot says so (``OBJECT_ITEMS`` in the ndim word), so every rank, an empty one too, knows from the exchanged
-    records which ranks' pieces to decode.
-    """
+    """A list state of Python objects as it travels: ``uint8`` items, ``OBJECT_ITEMS`` in its slot (:mod:`.objects`)."""
 
 
 class ObjectFailure(list[Tensor]):
@@ -70,8 +64,7 @@ REDUCE_MASK = FLAG_REDUCE_NEVER | FLAG_REDUCE_ALWAYS
 FLAG_SHADOW = 32  # the record of a joined rank's Join worker: an empty batch of the metric it expects
 FLAG_HOST_GRAD = 64  # a differentiable sync of CPU tensors where CUDA autograd can issue DDP buckets: refused
 FLAG_CACHED = 128  # this rank's last result is still valid: when every rank's is, nothing more moves
-# A sync of a few small dense states carries the data in the records themselves: when every rank did so and every
-# state is dense, the metadata exchange is the whole sync, one collective.
+# The most data a record carries (``FLAG_INLINE``): a few small dense states, synced by the metadata exchange alone.
 INLINE_MAX_BYTES = 256
 # An entry's slot, as the plan reads it (``unpack_slots``).
 E_KIND, E_DTYPE, E_NUMEL, E_ITEMS, E_AUX, E_NDIM, E_DIMS = 0, 1, 2, 3, 4, 5, 6
@@ -155,11 +148,7 @@ def describe(
     inline: bool,
     cap: int,
 ) -> list[int]:
-    """This rank's record: a header plus one slot per entry (``aux``: one word per entry, or zeros).
-
-    With ``inline``, small dense CPU data rides along after the slots (``FLAG_INLINE``) where it can. ``cap`` is this
-    rank's transfer cap in bytes; the plan takes the smallest of all ranks'.
-    """
+    """This rank's record: header, one slot per entry (``aux``: a word each, or zeros), small CPU data if ``inline``."""
     error, error_entry = ERR_NONE, -1
     slots: list[int] = []
     for index, entry in enumerate(entries):
@@ -212,10 +201,7 @@ def _tensor_problem(layout: torch.layout, dtype: torch.dtype, shape: Sequence[in
 
 
 def _list_problem(items: Sequence[object]) -> tuple[int, torch.dtype | None, int]:
-    """A list state's problem code, the dtype of its items (of the non-empty ones), and its number of elements.
-
-    The dtype is the first item's where every item is empty, None for an empty list.
-    """
+    """A list's problem code, its items' dtype (the non-empty ones', else the first's; None if empty), its elements."""
     dtypes: set[torch.dtype] = set()
     numel = 0
     for item in items:
@@ -235,10 +221,9 @@ def _list_problem(items: Sequence[object]) -> tuple[int, torch.dtype | None, int
 
 
 def _item_shape_slots(items: Sequence[Tensor]) -> list[int]:
-    """The shape a list's items concatenate to, as ``dim_zero_cat`` joins them, in the slot's shape words.
+    """The shape a list's items concatenate to (as ``dim_zero_cat`` joins them), in a slot's shape words.
 
-    ``[1]`` for scalars and vectors, ``[ndim, 0, *trailing]`` for items that share their trailing dims,
-    ``[MIXED_ITEMS]`` otherwise: every rank can join a ``cat`` list of all ranks from the metadata alone.
+    ``[1]``: scalars and vectors; ``[ndim, 0, *trailing]``: shared trailing dims; else ``[MIXED_ITEMS]``.
     """
     shapes = {tuple(item.shape) if item.ndim > 1 else () for item in items}
     if shapes <= {()}:
@@ -276,11 +261,7 @@ def dtype_of(code: int) -> torch.dtype | None:
 # ------------------------------------------------------------------------------------------------- dense layout
 @dataclass
 class DenseGroup:
-    """Dense entries of one dtype, back to back at the same offset in every rank's buffer (or record data).
-
-    Most metric states (sums, counts, confusion matrices) are dense: packed with one ``cat`` and cut out of the
-    gathered rows as ``[world_size, *shape]`` blocks, a few tensor operations per group instead of several per entry.
-    """
+    """Dense entries of one dtype, back to back at one offset in each rank's buffer (or record data), moved as one."""
 
     dtype: torch.dtype
     start: int  # byte offset, equal on every rank
@@ -294,11 +275,7 @@ class DenseGroup:
 
 
 def dense_layout(items: Iterable[tuple[int, torch.dtype, int]]) -> tuple[list[DenseGroup], int]:
-    """``(index, dtype, numel)`` items grouped by dtype in order of first appearance, each group 16-byte aligned.
-
-    Returns the groups (with their start offsets) and the bytes they take: the dense part of every rank's gather
-    buffer and the data a record carries have one layout.
-    """
+    """``(index, dtype, numel)`` items grouped by dtype in order of appearance, 16-byte aligned; and their bytes."""
     groups: dict[torch.dtype, DenseGroup] = {}
     for index, dtype, numel in items:
         group = groups.setdefault(dtype, DenseGroup(dtype, 0, [], []))
@@ -314,8 +291,7 @@ def dense_layout(items: Iterable[tuple[int, torch.dtype, int]]) -> tuple[list[De
 def inline_layout(tensors: Sequence[Tensor]) -> tuple[list[DenseGroup], int] | None:
     """The data layout of a record carrying ``tensors``; None when they cannot ride in a record.
 
-    They ride when every one is a non-empty strided tensor of at most 8-byte elements, all on one device, together
-    at most ``INLINE_MAX_BYTES``.
+    They ride when all are non-empty, strided, of at most 8-byte elements, on one device, ``INLINE_MAX_BYTES`` in all.
     """
     if not tensors:
         return None
@@ -353,10 +329,7 @@ def inline_data(tensors: Sequence[Tensor], groups: Sequence[DenseGroup], total: 
 
 
 def device_data(tensors: Sequence[Tensor], groups: Sequence[DenseGroup], total: int) -> Tensor | None:
-    """The data words of small tensors on a device, laid out as :func:`inline_data` lays out CPU data, on the device.
-
-    Device-side copies only (never read on the host). None where a dtype cannot be viewed as bytes.
-    """
+    """:func:`inline_data` on a device, by device-side copies only; None where a dtype cannot be viewed as bytes."""
     device = tensors[0].device
     pieces: list[Tensor] = []
     used = 0
@@ -378,9 +351,7 @@ def device_data(tensors: Sequence[Tensor], groups: Sequence[DenseGroup], total: 
 
 def resolved(tensor: Tensor) -> Tensor:
     """``tensor`` with its conjugate and negative bits resolved: its bytes are its values (a copy only where set)."""
-    if tensor.is_conj() or tensor.is_neg():
-        return tensor.resolve_conj().resolve_neg()
-    return tensor
+    return tensor.resolve_conj().resolve_neg() if tensor.is_conj() or tensor.is_neg() else tensor
 
 
 def raw_bytes(tensor: Tensor) -> bytes:
@@ -393,8 +364,3 @@ def raw_bytes(tensor: Tensor) -> bytes:
     if tensor.dtype in NUMPY_DTYPES:
         return tensor.numpy().tobytes()  # type: ignore[no-any-return]
     return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()  # type: ignore[no-any-return]  # bfloat16, float8
-
-
-def element_count(shape: Sequence[int]) -> int:
-    """The number of elements of ``shape``."""
-    return math.prod(shape)

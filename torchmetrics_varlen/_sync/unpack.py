@@ -1,15 +1,15 @@
 """Unpacking: every rank's entries cut back out of what a sync received (pure: nothing here communicates).
 
-:func:`unpack` turns the gathered ``[world_size, bytes]`` rows into one result per entry with tensor operations over
+:func:`unpack` turns the gathered ``[world_size, bytes]`` rows into one result per entry, in tensor operations over
 all ranks at once: dense entries as ``[world_size, *shape]`` blocks (:class:`~.pack.Stacked`), ``cat`` entries as
-every rank's data concatenated in rank order (:class:`~.pack.Joined`, one index selection whatever the number of
-ranks: :func:`select_elements`), other entries as per-rank pieces (:func:`piece_of`). :func:`unpack_reduced` cuts the
-all-reduced buffers, :func:`unpack_inline` the data that rode in the records. Every rank's section starts at the
-offset its plan gives, aligned to every dtype, so each piece is a view; padding never escapes.
+every rank's data in rank order (:class:`~.pack.Joined`, one index selection whatever the number of ranks:
+:func:`select_elements`), others as per-rank pieces (:func:`piece_of`). :func:`unpack_reduced` cuts the all-reduced
+buffers, :func:`unpack_inline` the records' data. Sections are aligned to every dtype: pieces are views, and padding
+never escapes.
 """
 
+import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,18 +53,15 @@ def unpack_reduced(buffers: Sequence[Tensor], plan: Plan, devices: Sequence[torc
     """The all-reduced buffers cut back into one tensor per entry, decoded, on each entry's device."""
     out: dict[int, Reduced] = {}
     for group, flat in zip(plan.reduce_groups, buffers, strict=True):
-        parts = torch.split(flat, group.numels)
-        for index, part, encoding in zip(group.indices, parts, group.encodings, strict=True):
-            value = _decode(part, encoding).view(plan.entries[index].shape)
-            out[index] = Reduced(value.to(devices[index]))
+        for index, part, encoding in zip(group.indices, torch.split(flat, group.numels), group.encodings, strict=True):
+            out[index] = Reduced(_decode(part, encoding).view(plan.entries[index].shape).to(devices[index]))
     return out
 
 
 def unpack_inline(rows: Tensor, plan: Plan) -> list[tuple[DenseGroup, Tensor]]:
     """The dense groups of an inline plan, each a ``[world_size, elements]`` block of the records' data bytes.
 
-    ``rows``: every rank's data bytes (``uint8``, after its header and slots), on the host or the device. Each
-    entry's result is a view of its group's block (:func:`stacked`); the states layer reduces whole blocks at once.
+    ``rows``: every rank's data bytes (host or device). The states layer reduces whole blocks; :func:`stacked` cuts.
     """
     blocks: list[tuple[DenseGroup, Tensor]] = []
     raw = rows.numpy() if rows.device.type == "cpu" else None
@@ -84,23 +81,18 @@ def stacked(plan: Plan, blocks: Sequence[tuple[DenseGroup, Tensor]]) -> list[Res
     for group, block in blocks:
         start = 0
         for index, numel in zip(group.indices, group.numels):
-            results[index] = Stacked(
-                block[:, start : start + numel].reshape(plan.world_size, *plan.entries[index].shape)
-            )
+            shape = (plan.world_size, *plan.entries[index].shape)
+            results[index] = Stacked(block[:, start : start + numel].reshape(shape))
             start += numel
     return results
 
 
 def inline_cuts(plan: Plan) -> list[Cut] | None:
     """Where each dense entry of a plan lies in a rank's data bytes; None for a dtype numpy lacks. Kept per plan."""
-    found = plan.unpack_memo.cuts
-    if found is False:
-        found = plan.unpack_memo.cuts = _dense_cuts(plan)
-    return found
-
-
-def _dense_cuts(plan: Plan) -> list[Cut] | None:
+    if plan.unpack_memo.cuts is not False:
+        return plan.unpack_memo.cuts
     if any(group.dtype not in NUMPY_DTYPES for group in plan.groups):
+        plan.unpack_memo.cuts = None
         return None
     cuts: list[Cut] = []
     for group in plan.groups:
@@ -109,19 +101,8 @@ def _dense_cuts(plan: Plan) -> list[Cut] | None:
             shape = (plan.world_size, *plan.entries[index].shape)
             cuts.append((index, NUMPY_DTYPES[group.dtype], start, start + numel * size, shape))
             start += numel * size
+    plan.unpack_memo.cuts = cuts
     return cuts
-
-
-def _cut_dense(
-    raw: Any, cuts: Sequence[Cut], results: list[Result | None], devices: Sequence[torch.device] | None = None
-) -> None:
-    """Each entry ``cuts`` names, as one tensor viewing ``raw`` (every rank's bytes, numpy), into ``results``.
-
-    ``devices``: where each entry's result goes (None: it stays on the CPU).
-    """
-    for index, dtype, start, stop, shape in cuts:
-        stacked = torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape))
-        results[index] = Stacked(stacked if devices is None or devices[index] == _CPU else stacked.to(devices[index]))
 
 
 def unpack(
@@ -133,10 +114,8 @@ def unpack(
 ) -> list[Result | None]:
     """Every gathered entry cut out of the ``[world_size, bytes]`` rows; None for the all-reduced ones.
 
-    ``cat`` flags the entries whose ranks' data is concatenated (``dist_reduce_fx="cat"``): they come back as one
-    :class:`Joined` tensor. Dense entries come back :class:`Stacked`, the rest as a list of per-rank pieces.
-    ``broadcast`` holds the data of the entries on the broadcast route (every rank's, in rank order: see
-    :mod:`.pack`); their results are views of it, no copy.
+    ``cat`` entries (``dist_reduce_fx="cat"``) come back :class:`Joined`, dense ones :class:`Stacked`, the rest as
+    per-rank pieces. ``broadcast``: the broadcast entries' data (every rank's, in rank order), which results view.
     """
     broadcast = broadcast or {}
     world = plan.world_size
@@ -157,24 +136,29 @@ def unpack(
     for index in gathered:
         if index in referring:
             results[index] = _with_refs(rows, plan, index, results, devices[index])
-        else:
-            whole = joined.get(index)
-            pieces = whole is None
-            results[index] = (
-                pieces_of(rows, plan.entries[index], devices[index], broadcast.get(index)) if pieces else whole
-            )
+        elif (whole := joined.get(index)) is not None:
+            results[index] = whole
+        else:  # one piece per rank; a broadcast entry's data holds every rank's, in rank order
+            eplan, sent = plan.entries[index], broadcast.get(index)
+            starts = (eplan.numels.cumsum(0) - eplan.numels).tolist() if sent is not None else [0] * world
+            results[index] = [
+                piece_of(rows, eplan, rank, devices[index], None if sent is None else sent[start:])
+                for rank, start in enumerate(starts)
+            ]
     return results
 
 
 def _unpack_dense(rows: Tensor, plan: Plan, devices: Sequence[torch.device], results: list[Result | None]) -> None:
     """The dense entries as ``[world_size, *shape]`` views of ``rows``, into ``results``.
 
-    On the CPU they are numpy views (as :func:`unpack_inline` cuts them), each made a tensor once: a fraction of
-    the cost of tensor slicing, which right after a collective costs several microseconds an operation.
+    On the CPU, numpy views made tensors once: a fraction of tensor slicing's cost right after a collective.
     """
     cuts = inline_cuts(plan)
     if rows.device.type == "cpu" and cuts is not None and plan.groups:
-        _cut_dense(rows.numpy(), cuts, results, devices)
+        raw = rows.numpy()
+        for index, dtype, start, stop, shape in cuts:
+            stacked = torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape))
+            results[index] = Stacked(stacked if devices[index] == _CPU else stacked.to(devices[index]))
         return
     world = plan.world_size
     for group in plan.groups:
@@ -189,9 +173,7 @@ def _joined(
 ) -> dict[int, Joined]:
     """The ``cat`` entries among ``indices`` whose items' shapes allow it as one tensor each, of all ranks' data.
 
-    Which entries join, to what trailing dims, and where each rank's data lies are decided for all of them at once,
-    once per plan; entries of one dtype are cut out together (see ``_rows.select_elements``). A broadcast entry's data
-    is already joined: it is viewed in that shape.
+    What joins, to what, and where each rank's data lies is decided once per plan; one dtype's entries are cut together.
     """
     out: dict[int, Joined] = {}
     if not indices:
@@ -205,14 +187,13 @@ def _joined(
         items = torch.stack([eplan.items for eplan in entries])
         # The ranks whose shapes say what the entry concatenates to: those with items (lists), or with data (tensors).
         holds = torch.where(torch.tensor(listed).unsqueeze(1), items, numels) > 0
-        shapes = common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
+        trailing = common_trailing(torch.stack([eplan.shapes.T for eplan in entries]), holds)
         starts = torch.stack([data_start(eplan) for eplan in entries]).tolist()
-        found = plan.unpack_memo.joined[key] = JoinFacts(
-            shapes, any_along(holds, dim=1).tolist(), starts, numels.tolist()
-        )
-    trailing, held_any, data_starts, data_counts = found.trailing, found.held_any, found.data_starts, found.data_counts
+        found = JoinFacts(trailing, any_along(holds, dim=1).tolist(), starts, numels.tolist())
+        plan.unpack_memo.joined[key] = found
     pending: dict[torch.dtype, list[tuple[int, tuple[int, ...]]]] = {}
-    for position, (index, eplan, shape, held) in enumerate(zip(indices, entries, trailing, held_any, strict=True)):
+    joins = zip(indices, entries, found.trailing, found.held_any, strict=True)
+    for position, (index, eplan, shape, held) in enumerate(joins):
         if listed[position] and not held:
             out[index] = Joined(None)
         elif shape is None:
@@ -224,20 +205,11 @@ def _joined(
         else:
             pending.setdefault(eplan.dtype, []).append((position, shape))
     for dtype, members in pending.items():
-        starts = [data_starts[position] for position, _ in members]
-        counts = [data_counts[position] for position, _ in members]
+        starts = [found.data_starts[position] for position, _ in members]
+        counts = [found.data_counts[position] for position, _ in members]
         for (position, shape), data in zip(members, select_elements(rows, starts, counts, dtype), strict=True):
             out[indices[position]] = Joined(data.view(-1, *shape).to(devices[indices[position]]))
     return out
-
-
-def rank_piece(result: Result, rank: int, rows: Tensor, plan: Plan, index: int, device: torch.device) -> Entry:
-    """Rank ``rank``'s own piece of an unpacked entry (the slow path of compute groups that differ by rank)."""
-    if isinstance(result, list):
-        return result[rank]  # type: ignore[no-any-return]
-    if isinstance(result, Stacked):
-        return result.tensor[rank]
-    return piece_of(rows, plan.entries[index], rank, device)
 
 
 def _with_refs(
@@ -249,19 +221,20 @@ def _with_refs(
     if all(ref >= 0 for ref in refs) and len(set(refs)) == 1:
         return None  # the same object as an earlier entry on every rank: the caller reuses that entry's value
     pieces: list[Entry] = []
-    for rank, ref in enumerate(refs):
-        if ref >= 0:
-            earlier = results[ref]
-            assert earlier is not None and not isinstance(earlier, Reduced)
-            pieces.append(rank_piece(earlier, rank, rows, plan, ref, device))
-        else:
-            pieces.append(piece_of(rows, eplan, rank, device))
+    for rank, ref in enumerate(refs):  # the slow path of compute groups that differ by rank
+        earlier = results[ref] if ref >= 0 else None
+        assert ref < 0 or (earlier is not None and not isinstance(earlier, Reduced))
+        if isinstance(earlier, list):
+            pieces.append(earlier[rank])
+        elif isinstance(earlier, Stacked):
+            pieces.append(earlier.tensor[rank])
+        else:  # this rank's own piece, or the earlier entry's if it came back joined
+            pieces.append(piece_of(rows, plan.entries[ref] if ref >= 0 else eplan, rank, device))
     return pieces
 
 
 # ---------------------------------------------------------------------------------------------------- rows
-# The element index is int32 (half the memory to write and read) while every position fits, with room for the
-# jumps between positions (see ``select_elements``).
+# The element index is int32 (half the memory traffic) while every position, with room for the jumps, fits.
 INDEX32_ELEMENTS = 2**30
 SLICE_MIN_AVERAGE = 4096  # elements per section, on average, from which sections are cut one by one
 # Up to this many sections of one dtype (entries x ranks) are cut one by one whatever their size: a slice costs a
@@ -272,12 +245,10 @@ SLICE_MAX_SECTIONS = 16
 def select_elements(rows: Tensor, starts: list[list[int]], counts: list[list[int]], dtype: torch.dtype) -> list[Tensor]:
     """For each entry ``e``: elements ``[starts[e][r], starts[e][r] + counts[e][r])`` of every rank ``r``'s row.
 
-    ``starts`` (bytes) and ``counts`` (elements) are ``k`` lists of ``W``; each entry's elements come back
-    concatenated in rank order. Few or large sections are sliced out one by one, one copy per entry. Otherwise one
-    element index for all ``k`` entries and one ``index_select`` each, whatever the number of ranks: the rows are one
-    contiguous buffer, and every section is aligned to its dtype, so each element's place follows from its rank's
-    start. The index is a cumulative sum of ones with a jump where each section starts, built in place: fewer
-    passes over fewer fresh pages than repeating each section's start and adding a range.
+    ``starts`` (bytes) and ``counts`` (elements) are ``k`` lists of ``W``; each entry comes back in rank order. Few or
+    large sections are sliced one by one; else one element index for all entries, one ``index_select`` each, whatever
+    the number of ranks (the rows are one buffer, every section aligned to its dtype). The index is a cumulative sum of
+    ones with a jump where each section starts, built in place: fewer passes than repeating starts and adding a range.
     """
     totals = [sum(row) for row in counts]
     total = sum(totals)
@@ -295,9 +266,8 @@ def select_elements(rows: Tensor, starts: list[list[int]], counts: list[list[int
             parts = [flat[first : first + count] for first, count in zip(firsts, counts_e, strict=True) if count]
             out.append(torch.cat(parts) if parts else flat.new_empty(0))
         return out
-    counts_t = torch.tensor(counts, dtype=torch.int64)
     first = (torch.arange(world, dtype=torch.int64) * width + torch.tensor(starts, dtype=torch.int64)) // size
-    first, sizes = first.reshape(-1), counts_t.reshape(-1)
+    first, sizes = first.reshape(-1), torch.tensor(counts, dtype=torch.int64).reshape(-1)
     begins = sizes.cumsum(0) - sizes  # where each section starts in the output
     # The running sum of ones is begin + 1 at a section's first element, which must be first: the jumps up to there
     # add up to first - begin - 1. Empty sections share their begin with the next section; their jumps cancel out.
@@ -327,8 +297,7 @@ def common_trailing(shapes: Tensor, holds: Tensor) -> list[tuple[int, ...] | Non
     """
     ndims, ignored = shapes[:, 0], ~holds
     lead = shapes[torch.arange(shapes.shape[0]), :, holds.view(torch.uint8).argmax(dim=1)]  # the first holding rank's
-    words = torch.arange(2, SHAPE_WORDS)
-    dims = words < 1 + lead[:, :1]  # [k, SHAPE_WORDS - 2]: which words hold the dims after the first
+    dims = torch.arange(2, SHAPE_WORDS) < 1 + lead[:, :1]  # [k, SHAPE_WORDS - 2]: the words of the dims after the first
     differ = any_along((shapes[:, 2:] != lead[:, 2:].unsqueeze(2)) & dims.unsqueeze(2), dim=1)
     alike = ~differ & (ndims == lead[:, :1])
     checks = torch.stack(
@@ -340,33 +309,19 @@ def common_trailing(shapes: Tensor, holds: Tensor) -> list[tuple[int, ...] | Non
         ],
         dim=1,
     ).tolist()
-    found: list[tuple[int, ...] | None] = []
-    for (held, mixed, vectors, same), row in zip(checks, lead.tolist(), strict=True):
-        if not held or mixed:
-            found.append(None)
-        else:
-            found.append(() if vectors else tuple(row[2 : 1 + row[0]]) if same else None)
-    return found
-
-
-def pieces_of(
-    rows: Tensor, eplan: EntryPlan, device: torch.device, data: Tensor | None = None
-) -> list[Tensor | list[Tensor]]:
-    """One piece per rank: a tensor with its true shape, or a list of tensors (list entries).
-
-    ``data``: every rank's data of a broadcast entry, in rank order (its item shape tables are in ``rows``).
-    """
-    starts = (eplan.numels.cumsum(0) - eplan.numels).tolist() if data is not None else None
     return [
-        piece_of(rows, eplan, rank, device, None if data is None or starts is None else data[starts[rank] :])
-        for rank in range(eplan.numels.shape[0])
+        None if not held or mixed else () if vectors else tuple(row[2 : 1 + row[0]]) if same else None
+        for (held, mixed, vectors, same), row in zip(checks, lead.tolist(), strict=True)
     ]
 
 
 def piece_of(
     rows: Tensor, eplan: EntryPlan, rank: int, device: torch.device, data: Tensor | None = None
 ) -> Tensor | list[Tensor]:
-    """Rank ``rank``'s piece; ``data``: its elements (and what follows) where the entry was broadcast."""
+    """Rank ``rank``'s piece: a tensor of its true shape, or a list of tensors (list entries).
+
+    ``data``: its elements (and what follows) where the entry was broadcast (the item shape tables are in ``rows``).
+    """
     assert eplan.offsets is not None and eplan.table_bytes is not None
     offset, numel = int(eplan.offsets[rank]), int(eplan.numels[rank])
     if eplan.kind == KIND_TENSOR:
@@ -389,9 +344,7 @@ def piece_of(
     items = []
     for slots in table:
         shape = tuple(slots[1 : 1 + slots[0]])
-        size = 1
-        for dim in shape:
-            size *= dim
+        size = math.prod(shape)
         if eplan.dtype is None or size == 0:
             items.append(torch.empty(shape, dtype=dtype, device=device))
         elif data is not None:
