@@ -78,9 +78,8 @@ def gather(buffer: Tensor, rows: list[Tensor] | None, dst: int, group: ProcessGr
 
 def to_rank(piece: Piece, rank: int, dst: int, group: ProcessGroup, nothing: Tensor) -> Work:
     """One ``all_to_all_single`` moving ``piece`` of a one-rank sync: each rank's part to ``dst`` alone."""
-    world_size = len(piece.counts)
-    into = piece.counts if rank == dst else [0] * world_size
-    out_of = [0] * world_size
+    into = piece.counts if rank == dst else [0] * len(piece.counts)
+    out_of = [0] * len(piece.counts)
     if piece.sent is not None:
         out_of[dst] = piece.counts[rank]
     received = piece.received if piece.received is not None else nothing

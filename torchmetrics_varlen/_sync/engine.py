@@ -18,8 +18,8 @@ The steps, in the order of the functions below:
    error; plans are kept per group, keyed by the table's headers and slots.
 4. **Allocate and pack** (:mod:`.pack`): when the sync receives much, one tiny all-gather first agrees that every
    rank could allocate it (a rank out of memory makes every rank raise instead of hanging its peers).
-5. **Move the data**: the reduce groups by all-reduce, the rest by one padded all-gather, large or skewed states by
-   per-rank broadcasts into their results; to one rank by a gather and its pieces (:func:`_move`). A differentiable
+5. **Move the data** (:mod:`.move`): the reduce groups by all-reduce, the rest by one padded all-gather, large or
+   skewed states by per-rank broadcasts into their results; to one rank by a gather and its pieces. A differentiable
    sync runs this step as one autograd node (:mod:`.grad`).
 6. **Unpack** (:mod:`.unpack`): every rank's entries cut back out, padding dropped. Reducing them as stock
    torchmetrics does is the caller's (:mod:`.states`).
@@ -27,20 +27,19 @@ The steps, in the order of the functions below:
 No rank branches on its local data before step 3, so no rank can skip a collective that its peers issue.
 
 **The one fast path: the plan cache.** A request with a ``key`` (the local facts its header and slots follow from)
-whose sync went the long way with its data in the records is *learnt*: its header and slots, the exchanged headers
-and slots of every rank, the plan. The next request with that key sends the learnt header and slots with this sync's
-data (into a send buffer kept with the learnt plan, on the device for device records), and when every rank's headers
-and slots in the exchanged table are byte for byte the learnt ones, the learnt plan is the plan; otherwise the sync
-goes on the long way from that table. Both ways send the same bytes, so a rank on one way and a peer on the other
-issue the same collectives. On a device the exchanged headers come back by one non-blocking copy into pinned memory
-and an event waited for with the sync's timeout: no stream synchronisation.
+whose sync went the long way with its data in the records is *learnt*: its header and slots, every rank's, the plan.
+The next request with that key sends the learnt header and slots with its data (from a send buffer kept with the
+plan, on the device for device records); when every rank's headers and slots in the exchanged table are byte for
+byte the learnt ones, the learnt plan is the plan, else the sync goes on the long way from that table. Both ways send
+the same bytes, so a rank on one way and a peer on the other issue the same collectives. On a device the exchanged
+headers come back by one non-blocking copy into pinned memory and an event waited for with the sync's timeout: no
+stream synchronisation.
 """
 
 import array
 import hashlib
 import weakref
 import zlib
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,6 @@ from torch import Tensor
 from torchmetrics_varlen._sync import comm, grad, move, record, unpack, wait
 from torchmetrics_varlen._sync.group import (
     REGISTRY,
-    GroupState,
     Link,
     crosses_autograd_threads,
     group_timeout,
@@ -71,64 +69,42 @@ LEARNT_KEPT = 64  # a job syncs a handful of small layouts per step; more than t
 
 @dataclass(slots=True)
 class Request:
-    """One sync: what is synced and how. Every caller builds one and hands it to :func:`start` or :func:`sync`.
+    """One sync: what is synced and how. Every caller builds one and hands it to :func:`start` or :func:`sync`."""
 
-    Args:
-        entries: local tensors, lists of tensors, or references to an earlier entry.
-        context: hash of what is synced (equal on every rank that syncs the same thing).
-        label: readable name of the sync, in the record.
-        flags: header flags (``record.FLAG_*``).
-        aux: one auxiliary word per entry, visible to every rank in the plan.
-        ops: per entry, the reduction applied afterwards (``plan.OP_*``); None: gather everything.
-        cat: per entry, whether its ranks' data are concatenated (come back :class:`~.pack.Joined`).
-        names: names the entry at a position in error messages (a metric's state); "entry N" when None.
-        device: the metric's device, equal on every rank (None: the hook): where an entry without tensors goes.
-        cap: this rank's transfer cap in bytes (None: the environment's or the default); the plan takes the smallest
-            of all ranks'.
-        dst: gather to this rank only (``compute_on_rank``).
-        grad: when a sync flagged ``FLAG_DIFF`` is differentiable: "always" or "if_graph".
-        stop: looks at the exchanged table (the same on every rank); True ends the sync there.
-        key: the local facts the record's header and slots follow from (hashable; None: not learnt).
-    """
-
-    entries: Sequence[LocalEntry]
-    context: int
-    label: str
-    flags: int = 0
-    aux: Sequence[int] | None = None
-    ops: Sequence[int] | None = None
-    cat: Sequence[bool] | None = None
-    names: Callable[[int], str] | None = None
+    entries: Sequence[LocalEntry]  # local tensors, lists of tensors, or references to an earlier entry
+    context: int  # hash of what is synced (equal on every rank that syncs the same thing)
+    label: str  # readable name of the sync, in the record
+    flags: int = 0  # header flags (``record.FLAG_*``)
+    aux: Sequence[int] | None = None  # one auxiliary word per entry, visible to every rank in the plan
+    ops: Sequence[int] | None = None  # per entry, the reduction applied afterwards (``plan.OP_*``); None: gather all
+    cat: Sequence[bool] | None = None  # per entry, whether its ranks' data are concatenated (come back ``Joined``)
+    names: Callable[[int], str] | None = None  # the entry at a position in error messages; "entry N" when None
+    # The metric's device, equal on every rank (None: the hook): where an entry without tensors goes
     device: torch.device | None = None
+    # This rank's transfer cap in bytes (None: the environment's or the default); the plan takes the ranks' smallest
     cap: int | None = None
-    dst: int | None = None
-    grad: str = "if_graph"
-    stop: Callable[[Tensor], bool] | None = None
-    key: Hashable | None = None
+    dst: int | None = None  # gather to this rank only (``compute_on_rank``)
+    grad: str = "if_graph"  # when a sync flagged ``FLAG_DIFF`` is differentiable: "always" or "if_graph"
+    stop: Callable[[Tensor], bool] | None = None  # looks at the exchanged table (equal on every rank); True ends there
+    key: Hashable | None = None  # the local facts the header and slots follow from (hashable; None: not learnt)
 
 
+@dataclass(eq=False)
 class Synced:
-    """What a sync gives back: the plan every rank agreed on, one result per entry, and this rank's rank.
+    """What a sync gives back: the plan every rank agreed on, one result per entry, and this rank's rank."""
 
-    ``results`` is empty on the ranks other than ``dst`` of a one-rank sync; an entry that is the same object as an
-    earlier one on every rank has result None. ``blocks``: where the data rode in the records, each dense group's
-    ``[world_size, elements]`` block (the results, cut when first asked for, are views of it), so that the states
-    layer can reduce a whole group at once.
-    """
-
-    def __init__(
-        self,
-        plan: Plan,
-        results: list[Result | None] | None,
-        rank: int,
-        blocks: list[tuple[DenseGroup, Tensor]] | None = None,
-    ) -> None:
-        self.plan, self.rank, self.blocks = plan, rank, blocks or []
-        self._results = results
+    plan: Plan
+    # Empty on the ranks other than ``dst`` of a one-rank sync; None for an entry that is the same object as an earlier
+    # one on every rank. None until asked for where the data rode in the records: cut from ``blocks`` then
+    _results: list[Result | None] | None
+    rank: int
+    # Where the data rode in the records: each dense group's ``[world_size, elements]`` block (the states layer reduces
+    # a whole group at once)
+    blocks: list[tuple[DenseGroup, Tensor]] = field(default_factory=list)
 
     @property
     def results(self) -> list[Result | None]:
-        """One result per entry (cut from ``blocks`` when the data rode in the records)."""
+        """One result per entry."""
         if self._results is None:
             self._results = unpack.stacked(self.plan, self.blocks)
         return self._results
@@ -141,9 +117,6 @@ class _Record:
     words: list[int]
     tail: Tensor | None = None
 
-    def __len__(self) -> int:
-        return len(self.words) + (self.tail.numel() if self.tail is not None else 0)
-
 
 @dataclass
 class _Learnt:
@@ -154,10 +127,10 @@ class _Learnt:
     plan: Plan
     layout: tuple[list[DenseGroup], int]  # where each state's bytes go in the data words
     device: torch.device
+    longest: int  # the longest record among every rank's learnt ones
     send: Tensor | None = None  # the send row at ``words``, the prefix in place
     words: int = 0
     views: list[Tensor] = field(default_factory=list)  # each dense group's place in ``send``, of its dtype
-    longest: int = 0  # the longest record among every rank's learnt ones
     host: Tensor | None = None  # pinned host memory for the exchanged headers (device records)
 
 
@@ -169,45 +142,36 @@ def sync(request: Request, link: Link) -> Synced | None:
 
 def start(request: Request, link: Link) -> "Pending":
     """Describe this rank's entries and start the record exchange; :meth:`Pending.finish` does the rest."""
-    state, device = link.state, link.policy.device
+    state = link.state
     wait.NOTES.arm(state)
     words = state.count_sync()
     learnt = state.learnt.get(request.key) if request.key is not None else None
     send = _fast_row(learnt, request, words) if learnt is not None else None
+    rec = None
     if send is None:
-        learnt = None
-        rec = _describe(request, link)
-        send = _row(rec, words, device, state)
-    else:
-        rec = None
-    table = torch.empty(state.size * words, dtype=torch.int64, device=device)
-    work = comm.gather_equal(table, send, state.pg, state.backend)
+        learnt, rec = None, _describe(request, link)
+        send = _row(rec, words, link.policy.device)
+    table, work = _gather(send, words, link)
     return Pending(request, link, rec, words, table, work, learnt)
 
 
+@dataclass(eq=False)
 class Pending:
     """A started sync: its record exchange is in flight. :meth:`finish` waits for it and does the rest."""
 
-    def __init__(
-        self,
-        request: Request,
-        link: Link,
-        rec: _Record | None,
-        words: int,
-        table: Tensor,
-        work: Any,
-        learnt: _Learnt | None,
-    ) -> None:
-        self.request, self.link, self.rec, self.words = request, link, rec, words
-        self.table, self.work, self.learnt = table, work, learnt
+    request: Request
+    link: Link
+    rec: _Record | None
+    words: int
+    table: Tensor
+    work: Any
+    learnt: _Learnt | None
 
     def finish(self) -> Synced | None:
         """Wait for the exchange, plan, move the data and unpack; None when ``request.stop`` ended the sync."""
-        link, request, state = self.link, self.request, self.link.state
-        device = link.policy.device
-        wait.wait(self.work, link, device.type)
+        link, request, state, learnt = self.link, self.request, self.link.state, self.learnt
+        wait.wait(self.work, link, link.policy.device.type)
         table = self.table.view(state.size, self.words)
-        learnt = self.learnt
         if learnt is not None:
             fast = _fast_results(learnt, table, request, link)
             if fast is not None:
@@ -222,7 +186,7 @@ class Pending:
             return None
         plan = _plan(host, request, link)
         if plan.inline:
-            synced = _inline(table, host, plan, state.rank, device)
+            synced = _inline(table, host, plan, state.rank)
             if request.key is not None:
                 _learn(request, rec, host, plan, link)
             return synced
@@ -234,19 +198,17 @@ class Pending:
 def _describe(request: Request, link: Link) -> _Record:
     """This rank's record; small dense states ride in it, on the host or on their device."""
     flags = request.flags | record.REDUCE_FLAGS[link.policy.reduce]  # ranks that differ raise together
-    if flags & record.FLAG_DIFF:
-        flags |= _host_grad_flag(request, link)
+    if flags & record.FLAG_DIFF:  # CPU tensors where CUDA autograd issues DDP's buckets: FLAG_HOST_GRAD
+        own = [t for entry in request.entries if not isinstance(entry, Ref) for t in grad.entry_tensors(entry)]
+        devices = [t.device for t in own] + ([request.device] if request.device is not None else [])
+        cuda_autograd = is_nccl(link.policy.backend, "cuda") or any(device.type == "cuda" for device in devices)
+        flags |= record.FLAG_HOST_GRAD if crosses_autograd_threads(devices, cuda_autograd) else 0
     inline = request.dst is None and not flags & record.FLAG_DIFF
     tensors = [entry for entry in request.entries if isinstance(entry, Tensor)]
     on_device = inline and link.policy.device_records and len(tensors) == len(request.entries) and bool(tensors)
+    cap = request.cap if request.cap is not None else sent_cap(None)
     words = record.describe(
-        request.entries,
-        request.context,
-        request.label,
-        flags,
-        request.aux,
-        inline and not on_device,
-        request.cap if request.cap is not None else sent_cap(None),
+        request.entries, request.context, request.label, flags, request.aux, inline and not on_device, cap
     )
     if not on_device or words[record.H_ERROR] != record.ERR_NONE or tensors[0].device != link.policy.device:
         return _Record(words)
@@ -259,15 +221,7 @@ def _describe(request: Request, link: Link) -> _Record:
     return _Record(words, tail)
 
 
-def _host_grad_flag(request: Request, link: Link) -> int:
-    """``FLAG_HOST_GRAD`` for a differentiable sync of CPU tensors where CUDA autograd issues DDP's buckets."""
-    tensors = [t for entry in request.entries if not isinstance(entry, Ref) for t in grad.entry_tensors(entry)]
-    devices = [t.device for t in tensors] + ([request.device] if request.device is not None else [])
-    cuda_autograd = is_nccl(link.policy.backend, "cuda") or any(device.type == "cuda" for device in devices)
-    return record.FLAG_HOST_GRAD if crosses_autograd_threads(devices, cuda_autograd) else 0
-
-
-def _row(rec: _Record, words: int, device: torch.device, state: GroupState) -> Tensor:
+def _row(rec: _Record, words: int, device: torch.device) -> Tensor:
     """The ``words``-long row this rank sends (its record, cut or padded with zeros), on ``device``."""
     host = array.array("q", rec.words[:words])
     host.frombytes(bytes(8 * (words - len(host))))
@@ -281,14 +235,26 @@ def _row(rec: _Record, words: int, device: torch.device, state: GroupState) -> T
 
 
 # ---------------------------------------------------------------------------------------- 2. exchange records
-def _host_table(table: Tensor, link: Link, into: Tensor | None = None) -> Any:
-    """The exchanged table (or its first columns, as many as ``into`` holds) as a numpy array on the host.
+def _gather(send: Tensor, words: int, link: Link) -> tuple[Tensor, Any]:
+    """Start the all-gather of every rank's ``words``-long row: the flat table it fills, and its work."""
+    state = link.state
+    table = torch.empty(state.size * words, dtype=torch.int64, device=link.policy.device)
+    return table, comm.gather_equal(table, send, state.pg, state.backend)
 
-    On a device: one non-blocking copy into pinned memory (``into``, kept by a learnt sync, else fresh) and an event
-    waited for with the sync's timeout, never a stream synchronisation.
-    """
+
+def _exchanged(rec: _Record, words: int, link: Link) -> tuple[Tensor, Any]:
+    """Every rank's record at ``words`` long, waited for: the table and its host copy (:func:`_host_table`)."""
+    table, work = _gather(_row(rec, words, link.policy.device), words, link)
+    wait.wait(work, link, link.policy.device.type)
+    table = table.view(link.state.size, words)
+    return table, _host_table(table, link)
+
+
+def _host_table(table: Tensor, link: Link, into: Tensor | None = None) -> Any:
+    """The exchanged table (or as many first columns as ``into`` holds) as a numpy array on the host."""
     if table.device.type == "cpu":
         return table.numpy()
+    # Into pinned memory (``into``, a learnt sync's, else fresh), waited for by an event: no stream synchronisation
     part = table if into is None else table[:, : into.shape[1]]
     host = torch.empty(part.shape, dtype=torch.int64, pin_memory=True) if into is None else into
     host.copy_(part, non_blocking=True)
@@ -300,17 +266,11 @@ def _host_table(table: Tensor, link: Link, into: Tensor | None = None) -> Any:
 
 def _again_if_longer(table: Tensor, host: Any, rec: _Record, words: int, link: Link) -> tuple[Tensor, Any]:
     """Exchange again at the longest record's length where one is longer than ``words`` (decided from headers)."""
-    state = link.state
     ours = bool((host[:, record.H_MAGIC] == record.MAGIC).all())  # else the plan raises, naming the ranks
     needed = int(host[:, record.H_WORDS].max()) if ours else words
     if ours and words < needed <= MAX_WORDS:
-        device = link.policy.device
-        table = torch.empty(state.size * needed, dtype=torch.int64, device=device)
-        work = comm.gather_equal(table, _row(rec, needed, device, state), state.pg, state.backend)
-        wait.wait(work, link, device.type)
-        table = table.view(state.size, needed)
-        host = _host_table(table, link)
-    state.learn_longest(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours
+        table, host = _exchanged(rec, needed, link)
+    link.state.learn_longest(needed if needed <= MAX_WORDS else words)  # a larger claim is no record of ours
     return table, host
 
 
@@ -323,9 +283,8 @@ def _plan(host: Any, request: Request, link: Link) -> Plan:
         digest = hashlib.blake2b(headers.tobytes(), digest_size=32).digest()
     else:
         digest = b""  # a foreign record: the plan raises
-    policy = link.policy
-    reduce = "never" if request.dst is not None else policy.reduce
-    broadcast_min = policy.broadcast_min
+    reduce = "never" if request.dst is not None else link.policy.reduce
+    broadcast_min = link.policy.broadcast_min
     key = (digest, tuple(request.ops or ()), tuple(request.cat or ()), reduce, request.grad, broadcast_min)
     plan = link.state.plans.get(key) if digest else None
     if plan is None:
@@ -336,14 +295,11 @@ def _plan(host: Any, request: Request, link: Link) -> Plan:
     return plan
 
 
-def _inline(table: Tensor, host: Any, plan: Plan, rank: int, device: torch.device) -> Synced:
-    """The results of a sync whose data rode in the records: cut out of the table where it arrived."""
+def _inline(table: Tensor, host: Any, plan: Plan, rank: int) -> Synced:
+    """The results of a sync whose data rode in the records: views of the table where it arrived (no copy back)."""
     meta = record.record_words(len(plan.entries))
-    if table.device.type == "cpu":
-        rows = torch.from_numpy(host[:, meta:]).view(torch.uint8)
-    else:
-        rows = table[:, meta:].view(torch.uint8)  # on the device: no copy back to it
-    return Synced(plan, None, rank, unpack.unpack_inline(rows, plan))
+    rows = torch.from_numpy(host[:, meta:]) if table.device.type == "cpu" else table[:, meta:]
+    return Synced(plan, None, rank, unpack.unpack_inline(rows.view(torch.uint8), plan))
 
 
 # ------------------------------------------------------------------------------------------- the fast path
@@ -355,34 +311,24 @@ def _learn(request: Request, rec: _Record, host: Any, plan: Plan, link: Link) ->
     layout = record.inline_layout(tensors)
     if layout is None:
         return
-    meta = record.record_words(len(tensors))
-    headers = np.ascontiguousarray(host[:, :meta])
-    prefix = list(rec.words[:meta])
-    learnt = _Learnt(prefix, headers.tobytes(), plan, layout, tensors[0].device)
-    learnt.longest = int(headers[:, record.H_WORDS].max())
-    learnt_map: OrderedDict[Any, _Learnt] = link.state.learnt
-    learnt_map[request.key] = learnt
-    if len(learnt_map) > LEARNT_KEPT:
-        learnt_map.popitem(last=False)
+    headers = np.ascontiguousarray(host[:, : record.record_words(len(tensors))])
+    prefix = rec.words[: headers.shape[1]]
+    longest = int(headers[:, record.H_WORDS].max())
+    learnt = link.state.learnt
+    learnt[request.key] = _Learnt(prefix, headers.tobytes(), plan, layout, tensors[0].device, longest)
+    if len(learnt) > LEARNT_KEPT:
+        learnt.popitem(last=False)
 
 
 def _fast_row(learnt: _Learnt, request: Request, words: int) -> Tensor | None:
-    """The row a learnt sync sends: the learnt prefix and this sync's data; None where it cannot.
-
-    The row is kept with the learnt plan (on the device for device records: its prefix uploaded once); this sync's
-    data goes into it with one copy per dtype group, on the device where the states live.
-    """
+    """The row a learnt sync sends, kept with it: the learnt prefix and this sync's data; None where it cannot."""
     tensors: list[Tensor] = request.entries  # type: ignore[assignment]  # a key is learnt for tensors only
     meta = len(learnt.prefix)
     groups, total = learnt.layout
     if meta + total // 8 > words:  # its data needs a longer record than the group's: the long way exchanges twice
         return None
-    if learnt.send is None or learnt.words != words:
-        prefix = array.array("q", learnt.prefix)
-        prefix.frombytes(bytes(8 * (words - meta)))
-        send = torch.frombuffer(prefix, dtype=torch.int64).clone()
-        if learnt.device.type != "cpu":  # uploaded once, from pinned memory: the host does not wait for it
-            send = send.pin_memory().to(learnt.device, non_blocking=True)
+    if learnt.send is None or learnt.words != words:  # on a device: uploaded once
+        send = _row(_Record(learnt.prefix), words, learnt.device)
         data = send[meta : meta + total // 8].view(torch.uint8)
         learnt.words, learnt.send = words, send
         learnt.views = [data[group.start : group.start + group.nbytes].view(group.dtype) for group in groups]
@@ -399,36 +345,28 @@ def _fast_row(learnt: _Learnt, request: Request, words: int) -> Tensor | None:
 
 def _fast_results(learnt: _Learnt, table: Tensor, request: Request, link: Link) -> Synced | None:
     """The learnt plan's results when every rank's headers and slots are the learnt ones, else None."""
-    state = link.state
-    meta = len(learnt.prefix)
+    state, meta = link.state, len(learnt.prefix)
     if table.device.type != "cpu" and (learnt.host is None or learnt.host.shape != (state.size, meta)):
         learnt.host = torch.empty((state.size, meta), dtype=torch.int64, pin_memory=True)  # kept: pinning costs
     host = _host_table(table, link, learnt.host)
     if host[:, :meta].tobytes() != learnt.headers:
         return None
     state.learn_longest(learnt.longest)
-    # Views of the table this sync received into (a fresh one: only the send buffer is kept).
-    rows = torch.from_numpy(host[:, meta:]) if table.device.type == "cpu" else table[:, meta:]
-    return Synced(learnt.plan, None, state.rank, unpack.unpack_inline(rows.view(torch.uint8), learnt.plan))
+    return _inline(table, host, learnt.plan, state.rank)  # views of this sync's table: only the send row is kept
 
 
+# ----------------------------------------------------------------------------------------- the other syncs
 def exchange(words: list[int], link: Link, decode: Callable[[Any], tuple[Any, int]]) -> Any:
     """A sync whose record the caller brings (a header without entries, then its payload): ``decode`` of the table.
 
     ``decode`` gets the exchanged table (numpy, every rank's record at the agreed length) and returns its result and
-    the length of the next record of the same kind: a payload whose names travel once sizes the group's agreed length
-    for the next one (see :meth:`~.group.GroupState.settle`).
+    the next record's length (names that travel once: see :meth:`~.group.GroupState.settle`).
     """
-    state, device = link.state, link.policy.device
+    state = link.state
     before = (state.words, state.longest, state.left)
     wait.NOTES.arm(state)
-    count = state.count_sync()
-    rec = _Record(words)
-    table = torch.empty(state.size * count, dtype=torch.int64, device=device)
-    wait.wait(comm.gather_equal(table, _row(rec, count, device, state), state.pg, state.backend), link, device.type)
-    table, host = _again_if_longer(
-        table.view(state.size, count), _host_table(table.view(state.size, count), link), rec, count, link
-    )
+    count, rec = state.count_sync(), _Record(words)
+    host = _again_if_longer(*_exchanged(rec, count, link), rec, count, link)[1]
     result, next_words = decode(host)
     state.settle(before, next_words)
     return result
@@ -437,11 +375,10 @@ def exchange(words: list[int], link: Link, decode: Callable[[Any], tuple[Any, in
 def side_link(of: Link, timeout: float | None) -> Link:
     """A link over the side group of ``of``'s group: a gloo group of the same ranks, made on first use.
 
-    The Join worker syncs there from its own thread (NCCL must not be driven from two threads, and a gloo group of
-    its own keeps its collectives out of the job's order). Making it is a collective of the whole world, through
-    documented calls every rank enters: for a subgroup, one tiny all-gather on the world tells every rank which
-    groups to make, then ``new_subgroups_by_enumeration``; so every rank of the world must make it at the same point
-    (each with its own group: the slices of a ``DeviceMesh`` together).
+    The Join worker syncs there from its own thread (NCCL must not be driven from two threads; a gloo group of its own
+    keeps its collectives out of the job's order). Making it is a collective of the whole world (for a subgroup, one
+    tiny all-gather on the world says which groups to make, then ``new_subgroups_by_enumeration``): every rank of the
+    world makes it at the same point, each with its own group (the slices of a ``DeviceMesh`` together).
     """
     state = of.state
     if state.side is None:
@@ -460,15 +397,10 @@ def _side_partition(of: Link) -> list[list[int]] | None:
     world = link(None, of.policy.device, of.timeout, f"{of.what} (the Join side group)")
     assert world is not None
     mine = [min(ranks), zlib.crc32(array.array("q", ranks).tobytes())]
-    table = move.agree(mine, world, "members")
     partition: dict[tuple[int, int], list[int]] = {}
-    for rank, (leader, digest) in enumerate(table):
+    for rank, (leader, digest) in enumerate(move.agree(mine, world, "members")):
         partition.setdefault((leader, digest), []).append(rank)
-    wrong = [
-        members
-        for (_, digest), members in partition.items()
-        if zlib.crc32(array.array("q", members).tobytes()) != digest
-    ]
+    wrong = [group for (_, crc), group in partition.items() if zlib.crc32(array.array("q", group).tobytes()) != crc]
     if wrong:  # every rank sees the same table: every rank raises alike
         raise SyncMismatchError(
             f"{of.what}: expected every rank of each process group to enter a `join` on it at the same time (its side"
@@ -498,8 +430,3 @@ def running(work: Any, link: Link) -> int:
     """How many ranks are still running, once ``Join``'s count (from :func:`count_running`) completed."""
     wait.wait(work, link, "cpu", f"{link.what} (Join's count of the running ranks)")
     return int(work.get_future().value()[0].item())
-
-
-def forget_groups() -> None:
-    """Forget every group's state (tests: as in a fresh process, on every rank alike)."""
-    REGISTRY.reset()

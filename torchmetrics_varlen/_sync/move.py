@@ -1,14 +1,10 @@
-"""The data step of a sync (steps 4-6 of :mod:`.engine`), and the engine's small exchanges of their own.
+"""The data step of a sync (:func:`data_step`: steps 4-6 of :mod:`.engine`), and the engine's small exchanges.
 
-:func:`data_step` allocates what the sync receives (agreeing first, when it is much, that every rank could), packs,
-runs the collectives the plan lays out and unpacks: the reduce groups by all-reduce, the rest by one padded
-all-gather, large or skewed states by per-rank broadcasts into their results (on NCCL each round as one list
-all-gather, one group of broadcasts), and to one rank (``compute_on_rank``) a gather and its pieces. A differentiable
-sync runs it inside one autograd node (:mod:`.grad`). :func:`agree` is one tiny all-gather (the memory check, the
-objects loaded, the members of side groups); :func:`share` sends one rank's bytes to every rank (the result of
-``compute_on_rank``).
+:func:`agree` is one tiny all-gather (the memory check, the objects loaded, the members of side groups);
+:func:`share` sends one rank's bytes to every rank (``compute_on_rank``'s result).
 """
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -36,17 +32,11 @@ def data_step(
     cat: Sequence[bool] | None,
     dst: int | None,
 ) -> list[Result | None]:
-    """Move the data the plan lays out, plainly or as one autograd node; results on each entry's device.
-
-    ``device``: the metric's device, where an entry without tensors gets its results.
-    """
+    """Move the data the plan lays out; results on each entry's device (``device``, the metric's, for one without)."""
     local = next((t.device for entry in entries for t in grad.entry_tensors(entry)), None)
     fallback = device or local or link.policy.device
     devices = [_entry_device(entry, fallback) for entry in entries]
-
-    def run(into: list[torch.device]) -> list[Result | None]:
-        return _move(entries, plan, link, into, cat, dst)
-
+    run = functools.partial(_move, entries, plan, link, cat=cat, dst=dst)
     if plan.differentiable:
         return grad.run(grad.Step(entries, plan, link.state.rank, link, devices, run))
     return run(devices)
@@ -148,11 +138,8 @@ def _route(
 ) -> None:
     """The broadcast route: per-rank broadcasts into the results, or, to one rank, its pieces."""
     state, device, rank = link.state, link.policy.device, link.state.rank
-
-    def meanwhile() -> None:  # this rank's own copy into its sections, while the data moves
-        pack.copy_later(later)
-
-    if dst is None and link.policy.grouped_broadcasts:  # NCCL: a round of broadcasts in one group
+    meanwhile = functools.partial(pack.copy_later, later)  # this rank's own copy into its sections, while data moves
+    if dst is None and link.policy.grouped_broadcasts:  # NCCL: a round of broadcasts as one list all-gather
         for number, round_ in enumerate(pack.rounds(plan, received, sources, rank)):
             if round_.whole is not None:  # straight into the result: no temporary
                 work = comm.gather_equal(round_.whole, round_.parts[rank], state.pg, state.backend)
@@ -200,6 +187,4 @@ def share(data: bytes | None, src: int, link: Link) -> bytes:
     else:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     wait.wait(comm.broadcast(payload, src, state.pg), link, device.type, what)
-    if mine is not None:
-        return mine
-    return payload.cpu().numpy().tobytes()  # type: ignore[no-any-return]  # `bytes(storage)` iterates in Python
+    return mine if mine is not None else payload.cpu().numpy().tobytes()  # not `bytes(storage)`: it iterates in Python

@@ -1,16 +1,14 @@
 """Python objects in list states: pickled into ``uint8`` items before the sync, loaded again after it.
 
 A list state may hold any picklable objects (strings, bytes, tuples, dicts, numpy arrays, RLE masks), alone or mixed
-with tensors. Before the metadata exchange, :func:`encode` turns such a rank's list into an
-:class:`~.record.ObjectList`: one pickle of the whole list (one ``uint8`` item), preceded by the
-bytes of every tensor inside it, each one ``uint8`` item viewed from the tensor where it lives (pickle's
-``reducer_override`` takes them out, so a tensor never goes through pickle and keeps its dtype, shape and device). Its
-slot says "objects" (``OBJECT_ITEMS``), so every rank, an empty one too, learns from the exchanged records which
-ranks' pieces to load; the items then travel as any list state's (the padded gather, the broadcast route, only the
-destination of ``compute_on_rank``), and :func:`decode_results` loads them after the sync. An item pickle refuses is
-reported in the record (``ObjectFailure``): every rank raises before any data moves. A pickle that fails to load is
-known to the rank that loads it only, so a sync that moved objects ends with one tiny agreement (the engine's
-``agree``, with :func:`failure_words` and :func:`load_error`).
+with tensors. Before the record exchange, :func:`encode` turns such a rank's list into an :class:`~.record.ObjectList`:
+the bytes of every tensor inside it, each one ``uint8`` item viewed where it lives (pickle's ``reducer_override``
+takes them out, so a tensor never goes through pickle and keeps its dtype, shape and device), then one pickle of the
+whole list. Its slot says "objects" (``OBJECT_ITEMS``), so every rank, an empty one too, learns from the records
+which ranks' pieces to load; the items travel as any list state's, and :func:`decode_results` loads them after the
+sync. An item pickle refuses is reported in the record (``ObjectFailure``): every rank raises before any data moves.
+A pickle that fails to load is known to its loading rank only, so a sync that moved objects ends with one tiny
+agreement (``move.agree``, with :func:`failure_words` and :func:`load_error`).
 
 Unpickling runs code: only peers of the same job are trusted, as with ``torch.distributed``'s object collectives.
 """
@@ -70,10 +68,7 @@ def _tensor_ref(index: int, dtype_name: str, shape: tuple[int, ...], device_type
 
 
 def encode(items: list[Any], always: bool = False) -> list[Any] | ObjectList | ObjectFailure:
-    """A list state as it travels: itself when it holds tensors only (unless ``always``), else its :class:`ObjectList`.
-
-    An item pickle refuses gives an :class:`ObjectFailure` naming it, which the record reports to every rank.
-    """
+    """A list state as it travels: itself (tensors only, unless ``always``), its ObjectList, or an item's failure."""
     if not always and all(isinstance(item, Tensor) for item in items):
         return items
     tensors: list[Tensor] = []
@@ -82,14 +77,10 @@ def encode(items: list[Any], always: bool = False) -> list[Any] | ObjectList | O
         _Pickler(file, tensors).dump(items)
     except Exception:  # whatever pickle raised: the record names the item, every rank raises
         return _failure(items)
-    payloads = [_bytes_of(tensor) for tensor in tensors]
-    # The pickle's own buffer, no copy: the tensor holds the memoryview and with it the buffer
+    # Each tensor's elements as a flat ``uint8`` view where it lives (a copy only where not contiguous), then the
+    # pickle's own buffer, no copy: the tensor holds the memoryview and with it the buffer
+    payloads = [resolved(tensor.detach()).contiguous().reshape(-1).view(torch.uint8) for tensor in tensors]
     return ObjectList([*payloads, torch.frombuffer(file.getbuffer(), dtype=torch.uint8)])
-
-
-def _bytes_of(tensor: Tensor) -> Tensor:
-    """A tensor's elements as a flat ``uint8`` view, where it lives (a copy only where it is not contiguous)."""
-    return resolved(tensor.detach()).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _failure(items: list[Any]) -> ObjectFailure:
@@ -113,9 +104,7 @@ class _Unpickler(pickle.Unpickler):
 
     def __init__(self, data: bytes, payloads: Sequence[Tensor], device: torch.device) -> None:
         super().__init__(io.BytesIO(data))
-        self.payloads = payloads
-        self.device = device
-        self.looked_up = "an object"
+        self.payloads, self.device, self.looked_up = payloads, device, "an object"
 
     def find_class(self, module: str, name: str) -> Any:
         if name == "_tensor_ref" and module == __name__:
@@ -143,8 +132,7 @@ class _Unpickler(pickle.Unpickler):
         raw = self.payloads[index]
         if raw.storage_offset() % dtype.itemsize:  # its bytes start unaligned for the dtype in the received buffer
             raw = raw.clone()
-        tensor: Tensor = raw.view(dtype).view(shape).to(device)
-        return tensor
+        return raw.view(dtype).view(shape).to(device)
 
 
 def object_positions(entries: Sequence[EntryPlan]) -> list[int]:

@@ -1,9 +1,8 @@
 """Logged scalars: the local accumulators, the key layout the ranks agree on, and the record that carries both.
 
-A :class:`~torchmetrics_varlen.ScalarLog` sync is one request of the engine that brings its own record
-(:func:`.engine.exchange`: the group's agreed record length, its timeouts and the errors naming missing ranks). Its
-record is a protocol header with no entries (so a rank syncing a metric at the same step raises `SyncMismatchError`
-alike, through ``mismatch.check_headers``) followed by:
+A :class:`~torchmetrics_varlen.ScalarLog` sync brings its own record to :func:`.engine.exchange` (the group's agreed
+record length, its timeouts, the errors naming missing ranks): a protocol header with no entries (so a rank syncing a
+metric at the same step raises `SyncMismatchError` alike, through ``mismatch.check_headers``) followed by:
 
 * ``S_FP``, ``S_K``, ``S_NEW``, ``S_ERR``, ``S_SPARSE``: the fingerprint and length of the key layout this rank
   holds, how many keys it names for the first time, a local problem, and how its layout keys travel;
@@ -15,10 +14,9 @@ alike, through ``mismatch.check_headers``) followed by:
   then their words.
 
 Every rank decodes the same table, extends the layout alike (new names in rank order) and reduces every key over
-the ranks in the same order, in float64: the results are identical on every rank. A record within the group's
-agreed length is the whole sync: one collective. One that is longer (new keys, more keys than the group's records
-have room for) makes every rank exchange again at the longest length; the engine then sizes the group's next record
-for the same keys (names travel once).
+the ranks in the same order, in float64: identical results on every rank. A record within the group's agreed length
+is the whole sync: one collective. A longer one (new keys, more keys than the records have room for) makes every rank
+exchange again at the longest length; the group's next record is sized for the same keys (names travel once).
 """
 
 import array
@@ -125,11 +123,7 @@ def _packed(first: Array, weight: Array, codes: Array) -> Array:
 
 
 def _known_words(acc: Accumulator, layout: Layout, named: "set[str]") -> list[Array]:
-    """The layout keys this rank updated: dense (bitmap, every layout key's words) or sparse, whichever is shorter.
-
-    Sparse: the keys' layout positions (``int32``, two per word), then their words. Each rank picks alone and says
-    which in ``S_SPARSE``, so a rank with a few of many keys (keys that differ by rank) sends only those.
-    """
+    """The layout keys this rank updated, dense or sparse: each rank picks the shorter (a few of many keys: sparse)."""
     known = [(layout.position[key], acc.index[key]) for key in acc.index if key in named]
     pos, at = (np.asarray(column, dtype=np.int64) for column in zip(*known)) if known else (np.zeros(0, np.int64),) * 2
     sparse = _packed(acc.first[at], acc.weight[at], acc.codes[at])
@@ -183,10 +177,7 @@ def check_table(table: Array, what: str) -> None:
 
 
 def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], list[int], dict[str, float], int]:
-    """Every key updated on some rank, reduced over the ranks; the layout is left unchanged.
-
-    Returns the keys new to the layout and their codes, the results, and the next record's length.
-    """
+    """Reduce every key some rank updated (layout unchanged): new keys, their codes, results, next record's length."""
     world, k = table.shape[0], len(layout.names)
     words = np.tile(layout.identity(), (world, 1))
     present = np.zeros((world, k), dtype=bool)
@@ -304,7 +295,5 @@ def local_results(acc: Accumulator) -> dict[str, float]:
     """This rank's own results: what a group of one gives."""
     layout = Layout()
     layout.extend(list(acc.index), acc.codes.tolist())
-    words = layout.identity()[None, :]
-    words[0, layout.offsets[:-1]] = acc.first
-    words[0, layout.offsets[:-1][acc.codes == MEAN] + 1] = acc.weight[acc.codes == MEAN]
+    words = _packed(acc.first, acc.weight, acc.codes)[None, :]  # every key's words, in the layout's order
     return _reduce(words, np.ones((1, len(layout.names)), dtype=bool), layout)

@@ -4,8 +4,8 @@
   as one entry each; a state that is the very object of an earlier one (a compute group) goes as a reference, so
   shared data moves once. What the metric classes alone decide (the states, their reductions, the context hash) is
   kept per set of classes (:func:`_class_layout`).
-* **Sync** (:func:`sync_states`): one request of the engine for all of them; a repeated sync of small dense states
-  is learnt by the engine (its key: the classes, the label, the states' dtypes and shapes).
+* **Sync** (:func:`sync_states`): one request of the engine for all of them (a repeated sync of small dense states
+  is learnt: its key is the classes, the label, the states' dtypes and shapes).
 * **Reduce** (:func:`reduce_results`): each state's per-rank values combined as stock ``Metric._sync_dist`` combines
   what its gather returns, with the same types (a ``cat`` list comes back as one concatenated tensor), except that
   uneven shapes and empty ranks work. Integer sums, maxima and minima whose data rode in the records are reduced a
@@ -25,36 +25,19 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen._sync import engine, move, objects
+from torchmetrics_varlen._sync import engine, move, objects, record
 from torchmetrics_varlen._sync.group import Link, sent_cap
 from torchmetrics_varlen._sync.mismatch import ObjectsBesideTensorsError
 from torchmetrics_varlen._sync.pack import Joined, Reduced, Result, Stacked
 from torchmetrics_varlen._sync.plan import OP_MAX, OP_MEAN, OP_MIN, OP_NONE, OP_SUM, Plan
-from torchmetrics_varlen._sync.record import (
-    FLAG_CACHED,
-    FLAG_DIFF,
-    FLAG_GRAD,
-    H_FLAGS,
-    Entry,
-    LocalEntry,
-    ObjectList,
-    Ref,
-    context_hash,
-)
+from torchmetrics_varlen._sync.record import Entry, LocalEntry, ObjectList, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 
 StateDict = dict[str, Any]
 _OPS = MappingProxyType({dim_zero_sum: OP_SUM, dim_zero_max: OP_MAX, dim_zero_min: OP_MIN, dim_zero_mean: OP_MEAN})
-_FUSED = MappingProxyType(
-    {dim_zero_sum: "sum", dim_zero_max: "amax", dim_zero_min: "amin"}
-)  # exact on integers, a group at once
-
-
-def _reduction_name(fn: Any) -> str:
-    return "None" if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
-
-
+_FUSED = MappingProxyType({dim_zero_sum: "sum", dim_zero_max: "amax", dim_zero_min: "amin"})  # exact on integers
 _Signature = tuple[tuple[type, tuple[tuple[str, Any], ...]], ...]
+_Empty = tuple[torch.dtype, torch.device] | None  # what an empty `cat` state takes (see `Layout.empty`)
 
 
 def _signature(metrics: Sequence[StockMetric]) -> _Signature:
@@ -75,12 +58,13 @@ def _text(phase: str, signature: _Signature) -> str:
     return "|".join(parts)
 
 
+def _reduction_name(fn: Any) -> str:
+    return "None" if fn is None else getattr(fn, "__qualname__", type(fn).__name__)
+
+
 @dataclass(eq=False)
 class ClassLayout:
-    """What a set of metric classes syncs in a phase: shared by every sync of that signature (read only).
-
-    Hashed by identity: it is part of the engine's key for a learnt sync.
-    """
+    """What a set of metric classes syncs in a phase (read only; hashed by identity: part of a learnt sync's key)."""
 
     keys: list[tuple[int, str]]  # (metric index, state name) per entry
     reductions: list[Any]
@@ -98,8 +82,8 @@ class ClassLayout:
 
 @functools.lru_cache(maxsize=256)
 def _class_layout(phase: str, signature: _Signature) -> ClassLayout:
-    # Why a process-global cache: a per-step sync asks at every step. Keyed by the classes and the reduction objects
-    # themselves (held by the key, so no id is ever reused), never by a digest: a wrong hit would send another layout.
+    # Process-global: a per-step sync asks at every step. Keyed by the classes and the reduction objects themselves
+    # (held by the key, so no id is ever reused), never by a digest: a wrong hit would send another layout.
     keys = [(index, name) for index, (_, reductions) in enumerate(signature) for name, _ in reductions]
     reductions = [fn for _, pairs in signature for _, fn in pairs]
     ops = [_OPS.get(fn, OP_NONE) for fn in reductions]
@@ -108,35 +92,26 @@ def _class_layout(phase: str, signature: _Signature) -> ClassLayout:
         reductions=reductions,
         ops=ops,
         cat=[fn is dim_zero_cat for fn in reductions],
-        context=context_hash(_text(phase, signature)),
+        context=record.context_hash(_text(phase, signature)),
         classes=[cls.__name__ for cls, _ in signature],
         means=[position for position, op in enumerate(ops) if op == OP_MEAN],
     )
 
 
 def class_layout(metrics: Sequence[StockMetric], phase: str) -> ClassLayout:
-    """The class part of a layout of ``metrics`` in ``phase`` (a package metric alone keeps it: every sync asks).
-
-    Only the package's own metrics keep it (they leave it out of their pickles); a stock metric's attributes are left
-    as they are.
-    """
-    if len(metrics) == 1 and "_tv_join" in vars(metrics[0]):
-        attrs = vars(metrics[0])
-        kept = attrs.get("_tv_classes")
-        if kept is not None and kept[0] == phase and kept[1] == len(metrics[0]._reductions):
-            return kept[2]  # type: ignore[no-any-return]
-        found = _class_layout_of(metrics, phase)
-        attrs["_tv_classes"] = (phase, len(metrics[0]._reductions), found)  # `add_state` later: another length
-        return found
-    return _class_layout_of(metrics, phase)
-
-
-def _class_layout_of(metrics: Sequence[StockMetric], phase: str) -> ClassLayout:
+    """The class part of a layout of ``metrics`` in ``phase``; a package metric alone keeps it (every sync asks)."""
+    attrs = vars(metrics[0]) if len(metrics) == 1 and "_tv_join" in vars(metrics[0]) else None  # not a stock one
+    kept = attrs.get("_tv_classes") if attrs is not None else None  # never pickled
+    if kept is not None and kept[0] == phase and kept[1] == len(metrics[0]._reductions):
+        return kept[2]  # type: ignore[no-any-return]
     signature = _signature(metrics)
     try:
-        return _class_layout(phase, signature)
+        found = _class_layout(phase, signature)
     except TypeError:  # a reduction that cannot be hashed: nothing to look up by
-        return _class_layout.__wrapped__(phase, signature)
+        found = _class_layout.__wrapped__(phase, signature)
+    if attrs is not None:
+        attrs["_tv_classes"] = (phase, len(metrics[0]._reductions), found)  # `add_state` later: another length
+    return found
 
 
 @dataclass
@@ -147,9 +122,8 @@ class Layout:
     entries: list[LocalEntry]
     aux: list[int]  # the owning metric's update count, for `mean` states (see `_warn_mean_of_means`)
     graph: bool  # a local tensor state carries an autograd graph
-    # `cat` entries: the owning metric's (dtype, device), which an empty result takes when no rank knows a dtype
-    # (stock sends ``torch.tensor([], dtype=self.dtype)`` for an empty `cat` list)
-    empty: list[tuple[torch.dtype, torch.device] | None]
+    # `cat` entries: the metric's (dtype, device) for an empty result (stock sends ``tensor([], dtype=self.dtype)``)
+    empty: list[_Empty]
     device: torch.device  # the metrics' device: equal on every rank, never the states' own
     cap: int | None = None  # the smallest `sync_cap` of the metrics, None when none has one
     context: int = 0
@@ -160,10 +134,7 @@ class Layout:
 
 
 def metrics_device(metrics: Sequence[StockMetric]) -> torch.device:
-    """The device a sync of ``metrics`` is decided for: the first one not on the CPU (``Metric.device``), else the CPU.
-
-    Equal on every rank whatever the states hold (an empty list state has no device).
-    """
+    """The first ``Metric.device`` not the CPU, else the CPU: equal on every rank (an empty list state has none)."""
     return next((m.device for m in metrics if m.device.type != "cpu"), torch.device("cpu"))
 
 
@@ -185,24 +156,12 @@ def layout(metrics: Sequence[StockMetric], phase: str, values: Sequence[StateDic
 
 
 def _layout(metrics: Sequence[StockMetric], classes: ClassLayout, states: list[Any]) -> Layout:
-    aux = [0] * len(states)
-    for position in classes.means:
-        aux[position] = metrics[classes.keys[position][0]]._update_count
+    aux = [metrics[i]._update_count if op == OP_MEAN else 0 for (i, _), op in zip(classes.keys, classes.ops)]
     entries = entries_sharing_objects(states, classes.reductions)
-    return Layout(
-        classes=classes,
-        entries=entries,
-        aux=aux,
-        # From the entries: an object list's tensors travel detached, so it is not scanned item by item
-        graph=any([carries_graph(entry) for entry in entries if not isinstance(entry, ObjectList)]),
-        empty=[
-            (metrics[i].dtype, metrics[i].device) if joined else None
-            for (i, _), joined in zip(classes.keys, classes.cat)
-        ],
-        device=metrics_device(metrics),
-        cap=metrics_cap(metrics),
-        context=classes.context,
-    )
+    # From the entries: an object list's tensors travel detached, so it is not scanned item by item
+    graph = any([carries_graph(entry) for entry in entries if not isinstance(entry, ObjectList)])
+    empty = [(metrics[i].dtype, metrics[i].device) if cat else None for (i, _), cat in zip(classes.keys, classes.cat)]
+    return Layout(classes, entries, aux, graph, empty, metrics_device(metrics), metrics_cap(metrics), classes.context)
 
 
 def metrics_cap(metrics: Sequence[StockMetric]) -> int | None:
@@ -210,7 +169,7 @@ def metrics_cap(metrics: Sequence[StockMetric]) -> int | None:
     return min((cap for metric in metrics if (cap := vars(metric).get("sync_cap")) is not None), default=None)
 
 
-def entries_sharing_objects(values: list[Any], reductions: list[Any] | None = None) -> list[LocalEntry]:
+def entries_sharing_objects(values: list[Any], reductions: list[Any]) -> list[LocalEntry]:
     """One entry per state; a state that is the very object of an earlier one (a compute group) becomes a Ref.
 
     Only where the reduction is the same too: a Ref's value is the earlier entry's reduced value, and stock reduces
@@ -221,8 +180,7 @@ def entries_sharing_objects(values: list[Any], reductions: list[Any] | None = No
     seen: dict[tuple[int, int], int] = {}
     entries: list[LocalEntry] = []
     for position, value in enumerate(values):
-        reduction = reductions[position] if reductions is not None else None
-        first = seen.setdefault((id(value), id(reduction)), position)
+        first = seen.setdefault((id(value), id(reductions[position])), position)
         local = value if isinstance(value, Tensor) else objects.encode(list(value))
         entries.append(Ref(first) if first != position else local)
     return entries
@@ -242,36 +200,34 @@ def sync_states(
 ) -> list[StateDict] | None:
     """Gather and reduce the states of ``metrics`` over ``link``: one dict of global states per metric.
 
-    ``cached``: this rank's last result is still valid (no update since). When every rank's is, the
-    sync ends after the records (on every rank alike) and None is returned: each rank's cache is the global value.
-    The local slot keeps this rank's own tensors, so their rank-local autograd graph survives; with
-    ``differentiable`` the sync is one autograd node instead. ``cap`` (bytes) replaces the metrics' own ``sync_cap``.
+    ``cached``: this rank's last result is still valid (no update since). When every rank's is, the sync ends after
+    the records (on every rank alike) and None is returned: each rank's cache is the global value. The local slot
+    keeps this rank's own tensors, so their rank-local autograd graph survives; with ``differentiable`` the sync is
+    one autograd node instead. ``cap`` (bytes) replaces the metrics' own ``sync_cap``.
     """
     classes = class_layout(metrics, phase)
     states = states_of(metrics, classes, values)
-    flags = (FLAG_DIFF if differentiable else 0) | (FLAG_CACHED if cached else 0)
+    flags = (record.FLAG_DIFF if differentiable else 0) | (record.FLAG_CACHED if cached else 0)
     stop = every_rank_cached if phase != "step" else None
     cap = sent_cap(cap if cap is not None else metrics_cap(metrics))
-    if _repeatable(states, classes, differentiable):
-        # The engine's fast path: the facts this sync's header and slots follow from (its reduce flag: the policy).
-        # (The policy's part of the header and slots is the reduce mode's flag: the policy's device is checked with
-        # the states'.)
+    dense = all(isinstance(state, Tensor) and not state.requires_grad for state in states)
+    if dense and not (differentiable or classes.means) and len({id(state) for state in states}) == len(states):
+        # The engine's fast path: dense tensors, each its own object, no graph, no mean. Keyed by what the header and
+        # slots follow from (of the policy: its reduce flag; its device is checked with the states').
         key = (classes, label, flags, cap, link.policy.reduce, tuple([(state.dtype, state.shape) for state in states]))
         request = engine.Request(
             states,
             classes.context,
             label,
             flags,
-            None,
-            classes.ops,
-            classes.cat,
-            classes.state_name,
-            metrics_device(metrics),
-            cap,
-            None,
-            "always" if phase == "step" else "if_graph",
-            stop,
-            key,
+            ops=classes.ops,
+            cat=classes.cat,
+            names=classes.state_name,
+            device=metrics_device(metrics),
+            cap=cap,
+            grad="always" if phase == "step" else "if_graph",
+            stop=stop,
+            key=key,
         )
         synced = engine.sync(request, link)
         if synced is None:
@@ -295,40 +251,25 @@ def sync_states(
 
 def every_rank_cached(table: Tensor) -> bool:
     """Whether every rank's record says its cached result is valid (``FLAG_CACHED``)."""
-    return bool((table[:, H_FLAGS] & FLAG_CACHED).all())
-
-
-def _repeatable(states: list[Any], classes: ClassLayout, differentiable: bool) -> bool:
-    """Whether a sync of ``states`` may be learnt: dense tensors only, each its own object, no graph, no mean."""
-    if differentiable or classes.means:
-        return False
-    for state in states:
-        if not isinstance(state, Tensor) or state.requires_grad:
-            return False
-    return len({id(state) for state in states}) == len(states)
+    return bool((table[:, record.H_FLAGS] & record.FLAG_CACHED).all())
 
 
 def _fused_states(count: int, classes: ClassLayout, synced: engine.Synced) -> list[StateDict]:
     """The states of a sync whose data rode in the records: integer sums, maxima and minima a whole group at once."""
     out: list[StateDict] = [{} for _ in range(count)]
-    plan, results = synced.plan, None
     for group, block in synced.blocks:
-        fused = _FUSED.get(classes.reductions[group.indices[0]])
+        reduction = classes.reductions[group.indices[0]]
+        fused = _FUSED.get(reduction)
         exact = not (group.dtype.is_floating_point or group.dtype.is_complex)
-        if (
-            fused is not None
-            and exact
-            and all(classes.reductions[i] is classes.reductions[group.indices[0]] for i in group.indices)
-        ):
+        if fused is not None and exact and all(classes.reductions[i] is reduction for i in group.indices):
             reduced = getattr(block, fused)(0)  # torch.sum widens to int64, as stock's torch.sum of the stack does
             for index, value in zip(group.indices, reduced.split(group.numels)):
                 metric, name = classes.keys[index]
-                out[metric][name] = value.view(plan.entries[index].shape)
+                out[metric][name] = value.view(synced.plan.entries[index].shape)
             continue
-        results = synced.results if results is None else results
-        for index in group.indices:
+        for index in group.indices:  # `synced.results`: cut from the blocks once, when first asked for
             metric, name = classes.keys[index]
-            result = results[index]
+            result = synced.results[index]
             assert isinstance(result, Stacked)
             out[metric][name] = stacked_value(result, classes.reductions[index])
     return out
@@ -351,41 +292,33 @@ def run(
     ``device`` replaces the layout's (the metrics' device) as where empty entries' results go: the Join worker,
     which must never touch CUDA, passes the CPU.
     """
-    classes = sync_layout.classes
-    for attempt in range(2):
-        request = engine.Request(
-            sync_layout.entries,
-            sync_layout.context,
-            label,
-            flags | (FLAG_GRAD if sync_layout.graph else 0),
-            sync_layout.aux,
-            classes.ops,
-            classes.cat,
-            sync_layout.state_name,
-            device or sync_layout.device,
-            cap if cap is not None else sent_cap(sync_layout.cap),
-            dst,
-            "always" if phase == "step" else "if_graph",
-            stop,
-            None,
-        )
-        try:
-            return engine.sync(request, link)
-        except ObjectsBesideTensorsError as mixed:  # raised alike on every rank, before any data moved: sync again
-            if attempt:
-                raise
-            for position in mixed.positions:
-                entry = sync_layout.entries[position]
-                if isinstance(entry, list) and not isinstance(entry, ObjectList):
-                    sync_layout.entries[position] = objects.encode(entry, always=True)
-    raise AssertionError("unreachable")
+    request = engine.Request(
+        sync_layout.entries,
+        sync_layout.context,
+        label,
+        flags | (record.FLAG_GRAD if sync_layout.graph else 0),
+        sync_layout.aux,
+        sync_layout.classes.ops,
+        sync_layout.classes.cat,
+        sync_layout.state_name,
+        device or sync_layout.device,
+        cap if cap is not None else sent_cap(sync_layout.cap),
+        dst,
+        "always" if phase == "step" else "if_graph",
+        stop,
+    )
+    try:
+        return engine.sync(request, link)
+    except ObjectsBesideTensorsError as mixed:  # raised alike on every rank, before any data moved: sync again
+        for position in mixed.positions:  # `request.entries` is this list: encoded in place
+            entry = sync_layout.entries[position]
+            if isinstance(entry, list) and not isinstance(entry, ObjectList):
+                sync_layout.entries[position] = objects.encode(entry, always=True)
+    return engine.sync(request, link)
 
 
 def _load_objects_on_every_rank(sync_layout: Layout, synced: engine.Synced, link: Link) -> bool:
-    """Load the objects of list states that hold some, then agree that every rank could (one tiny all-gather).
-
-    Whether a sync moved objects is in the exchanged records, so every rank takes the same branch.
-    """
+    """Load list states' objects, then agree that every rank could (a tiny all-gather where the records show some)."""
     positions = objects.object_positions(synced.plan.entries)
     if not positions:
         return False
@@ -402,10 +335,9 @@ def reduce_results(
 ) -> list[Any]:
     """Reduce every entry's result with its reduction, as stock does with the gathered states.
 
-    ``where`` names the state at a position, for error messages. List states' objects are loaded first, unless
-    ``loaded`` says they are (agreed by every rank); here a failure raises on this rank (one-rank compute sends it to
-    every rank). ``synced.results`` is emptied as it goes (memory). Outside a differentiable sync, the local slot gets
-    this rank's own objects back where they carry an autograd graph, as stock does.
+    ``where`` names a position's state in errors. List states' objects are loaded first unless ``loaded`` (agreed by
+    every rank); a failure here raises on this rank (one-rank compute sends it on). ``synced.results`` is emptied as it
+    goes (memory). Outside a differentiable sync the local slot keeps this rank's objects that carry a graph, as stock.
     """
     plan, rank, results = synced.plan, synced.rank, synced.results
     classes = sync_layout.classes
@@ -431,10 +363,7 @@ def reduce_results(
 
 
 def _warn_mean_of_means(metrics: Sequence[StockMetric], sync_layout: Layout, plan: Plan) -> None:
-    """Warn once per metric and state when a `mean` state averages ranks that saw different numbers of updates.
-
-    Decided from the update counts every record carries (no extra collective), so every rank warns alike.
-    """
+    """Warn once per `mean` state whose ranks ran unequal numbers of updates (in the records: every rank alike)."""
     classes = sync_layout.classes
     for position in classes.means:
         counts = plan.aux[:, position]
@@ -457,8 +386,6 @@ def _warn_mean_of_means(metrics: Sequence[StockMetric], sync_layout: Layout, pla
 
 
 # -------------------------------------------------------------------------------------------------- reduce
-
-
 def reduce_state(
     result: Result,
     reduction: Any,
@@ -468,7 +395,7 @@ def reduce_state(
     plan: Plan,
     where: Callable[[int], str],
     index: int,
-    empty: tuple[torch.dtype, torch.device] | None = None,
+    empty: _Empty = None,
 ) -> Any:
     """Combine one state's per-rank values the way torchmetrics does after its gather.
 
@@ -496,22 +423,16 @@ def _reduced_value(result: Reduced, reduction: Any, op: int, plan: Plan, index: 
 
 
 def _joined_value(
-    result: Joined,
-    own: LocalEntry | None,
-    rank: int,
-    plan: Plan,
-    index: int,
-    empty: tuple[torch.dtype, torch.device] | None,
+    result: Joined, own: LocalEntry | None, rank: int, plan: Plan, index: int, empty: _Empty
 ) -> Tensor | list[Tensor]:
     """A `cat` state joined over the ranks; this rank's section is its own tensors where they carry a graph."""
     if result.tensor is None:
         return _empty_cat(empty)
+    joined = result.tensor
     if not carries_graph(own):
-        return result.tensor
-    # This rank's section comes from its own tensors, so their rank-local graph survives, as with stock.
+        return joined
     numels = plan.entries[index].numels
     start, stop = int(numels[:rank].sum()), int(numels[: rank + 1].sum())
-    joined = result.tensor
     mine = dim_zero_cat(own if isinstance(own, list) else [own]).reshape(-1, *joined.shape[1:])  # type: ignore[list-item]
     row = math.prod(joined.shape[1:])  # elements per row of the joined state
     return torch.cat([joined[: start // row], mine.to(joined.dtype), joined[stop // row :]])
@@ -534,7 +455,7 @@ def _pieces_value(
     rank: int,
     where: Callable[[int], str],
     index: int,
-    empty: tuple[torch.dtype, torch.device] | None,
+    empty: _Empty,
 ) -> Any:
     """A state that came back as one piece per rank (a list's items, or tensors of uneven shapes), reduced."""
     per_rank: list[Entry] = list(result)
@@ -544,7 +465,7 @@ def _pieces_value(
             return _empty_cat(empty) if reduction is dim_zero_cat else []
         if reduction is dim_zero_cat:
             if not all(isinstance(item, Tensor) for item in flat):
-                return flat  # Python objects (see _objects): every rank's items, as one list, in rank order
+                return flat  # Python objects (see .objects): every rank's items, as one list, in rank order
             return _cat_items(flat, per_rank, where(index))
         return reduction(flat) if reduction is not None else flat
     if isinstance(own, Tensor) and (own.requires_grad or own.numel() > 0):
@@ -553,8 +474,7 @@ def _pieces_value(
     if reduction is dim_zero_cat:
         # Uneven `cat` tensor states: concatenate what each rank holds (stock stacks, which needs equal shapes).
         return dim_zero_cat([t for t in tensors if t.numel() > 0] or tensors[:1])
-    shapes = {tuple(t.shape) for t in tensors}
-    if len(shapes) > 1:
+    if len({tuple(t.shape) for t in tensors}) > 1:
         listing = ", ".join(f"rank {r}: {tuple(t.shape)} {_dtype_text(t)}" for r, t in enumerate(tensors))
         raise SyncMismatchError(
             f"Expected state `{where(index)}` to have the same shape on every rank (its reduction stacks them) but got"
@@ -564,20 +484,17 @@ def _pieces_value(
     return reduction(stacked) if reduction is not None else stacked
 
 
-def _empty_cat(empty: tuple[torch.dtype, torch.device] | None) -> Tensor | list[Tensor]:
+def _empty_cat(empty: _Empty) -> Tensor | list[Tensor]:
     """Stock's value of a `cat` list state that is empty on every rank: ``tensor([])`` of the metric's dtype."""
     if empty is None:  # not a metric's state (no layout names one): nothing to take a dtype from
         return []
-    dtype, device = empty
-    return torch.empty(0, dtype=dtype, device=device)
+    return torch.empty(0, dtype=empty[0], device=empty[1])
 
 
 def _cat_items(flat: list[Tensor], per_rank: list[Entry], state: str) -> Tensor:
-    """``dim_zero_cat`` of every rank's items; items that cannot be joined raise `SyncMismatchError`.
+    """``dim_zero_cat`` of every rank's items; items that cannot be joined raise `SyncMismatchError` on every rank.
 
-    The plan refuses ranks whose items join to different trailing dims; what is left here are lists whose items
-    differ already on one rank (the plan sees no common shape for them). Every rank holds the same pieces, so every
-    rank raises alike.
+    The plan refuses ranks whose items join to different trailing dims: left here are items that differ on one rank.
     """
     try:
         return dim_zero_cat(flat)
