@@ -42,7 +42,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync import deferred, engine
 from torchmetrics_varlen._sync.group import Link, link
 from torchmetrics_varlen._sync.record import FLAG_SHADOW, H_CONTEXT, H_FLAGS, HEADER_LEN, context_hash
 from torchmetrics_varlen._sync.states import StateDict, layout, layout_text, reduce_results, run
@@ -262,6 +262,7 @@ class _Session:
         self.own = own
         # Made by every rank of the world the first time (each builds its join at the same point); kept after.
         self.side = engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
+        deferred.settle(self.side)  # pending compute_async syncs on it first: one thread at a time drives it
         self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
         self.shadow = _Shadow(self.metrics, self.side, self.contexts)
         self.joined = not counted
