@@ -471,3 +471,19 @@ def test_an_exit_with_a_sync_pending_is_bounded_and_says_what_was_lost(tmp_path)
     assert exited_after < 3 + 10, exited_after  # its sync's timeout, a look at the notes; never rank 1's 20 s
     assert "compute_async() sync(s) pending" in zero[2] and "SyncTimeoutError" in zero[2], zero[2][-2000:]
     assert "sync of SumMetric.compute (compute_async)" in zero[2]
+
+
+# -------------------------------------------------------------------------------------------------- the benchmark
+def test_the_benchmark_rows_run():
+    from benchmarks import _bench_async
+
+    rows = run_distributed(_bench_async.body, 2, 8, 1, deadline=240)[0]
+    assert [(row["case"][:9], row["straggler"], row["max_in_flight"]) for row in rows] == [
+        ("ScalarLog", False, 2),
+        ("ScalarLog", True, 2),
+        ("ScalarLog", True, 8),
+        ("+ 8-metri", False, 2),
+        ("+ 8-metri", True, 2),
+    ]
+    assert all(row[mode] > _bench_async.COMPUTE_S * 1000 for row in rows for mode in ("none", "blocking", "async"))
+    assert "off the loop" in _bench_async.format_table(rows, 8, 1)

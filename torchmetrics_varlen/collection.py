@@ -113,7 +113,7 @@ class MetricCollection(StockMetricCollection):
             >>> future = metrics.compute_async()
             >>> metrics.reset()  # at once: the pending sync owns a snapshot
             >>> future.result()
-            {'sum': tensor(6.), 'max': tensor(5.)}
+            {'max': tensor(5.), 'sum': tensor(6.)}
         """
         members = self._coalesced_members()
         sync_link = link(None, metrics_device(members), self.sync_timeout, "sync of MetricCollection")

@@ -87,9 +87,10 @@ class ScalarLog(Metric):
         self._named: set[str] = set()  # keys whose name and reduction this rank has sent
         self._global: dict[str, float] | None = None
 
-    def _code(self, key: str) -> int:
-        name = self.reduce if isinstance(self.reduce, str) else self.reduce.get(key, "mean")
-        return _rec.REDUCTIONS.index(name) + 1
+    def _codes(self, keys: list[str]) -> list[int]:
+        if isinstance(self.reduce, str):
+            return [_rec.REDUCTIONS.index(self.reduce) + 1] * len(keys)
+        return [_rec.REDUCTIONS.index(self.reduce.get(key, "mean")) + 1 for key in keys]
 
     def update(self, values: Mapping[str, Number], weight: Number | Mapping[str, Number] = 1) -> None:
         """Add one value per key (a float, int or one-element tensor), with a weight (one, or one per key)."""
@@ -112,7 +113,7 @@ class ScalarLog(Metric):
         weights = [weight.get(key, 1) for key in keys] if isinstance(weight, Mapping) else [weight] * len(keys)
         both = _floats([values[key] for key in keys] + weights, keys)  # host numbers, or one tensor on a device
         v, w = both[: len(keys)], both[len(keys) :]
-        codes = [self._code(key) for key in keys]
+        codes = self._codes(keys)
         if isinstance(both, Tensor):
             named = self._acc.add_tensor(keys, codes, v, w, self.nan_strategy)
             if named:
@@ -302,7 +303,7 @@ def _floats(items: list[Any], keys: list[str]) -> Any:
             if device is None or device.type == "cpu":
                 device = item.device
             if item.device.type == "cpu":
-                out[i] = item.detach().reshape(()).to(torch.float64).item()
+                out[i] = item.item()  # exact in float64 (wider dtypes: rounded once, as by `.to(torch.float64)`)
         elif isinstance(item, numbers.Real):  # Python and numpy numbers (numpy registers its own as Real)
             out[i] = float(item)
         else:
