@@ -17,6 +17,7 @@ be pending.
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,16 +69,17 @@ def _loop(rank: int, mode: str, steps: int, straggler: bool, collection: Any, in
     return (time.perf_counter() - start) / steps
 
 
-def body(rank: int, world_size: int, steps: int, repeats: int) -> list[dict[str, Any]]:
-    """Every case's rows: ms per step of each loop, median over ``repeats`` turns."""
-    from benchmarks.bench import eight_metric_members
+def body(
+    rank: int, world_size: int, steps: int, repeats: int, members: Callable[[], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Every case's rows: ms per step of each loop, median over ``repeats`` turns; ``members``: the collection's."""
     from torchmetrics_varlen import MetricCollection
 
     rows = []
     cases = [("ScalarLog, 100 keys", False, 2), ("ScalarLog, 100 keys", True, 2), ("ScalarLog, 100 keys", True, 8)]
     cases += [("+ 8-metric collection / 10 steps", False, 2), ("+ 8-metric collection / 10 steps", True, 2)]
     for name, straggler, in_flight in cases:
-        collection = MetricCollection(eight_metric_members()) if name.startswith("+") else None
+        collection = MetricCollection(members()) if name.startswith("+") else None
         times: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
         _loop(rank, "async", 10, straggler, collection, in_flight)  # warm-up: the side group, the key layout
         for _ in range(repeats):
@@ -108,11 +110,14 @@ def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
-def run(quick: bool, repeats: int) -> dict[str, Any]:
-    """The cases on 2 gloo ranks (quick: 40 steps, one repeat); the table and the rows."""
+def run(quick: bool, repeats: int, members: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The cases on 2 gloo ranks (quick: 40 steps, one repeat); the table and the rows.
+
+    ``members`` makes the collection's members (the benchmark's 8-metric set).
+    """
     from tests._workers import WorkerPool
 
     steps, repeats = (40, 1) if quick else (STEPS, max(3, min(repeats, 5)))
     with WorkerPool(2, pg_timeout=120.0) as pool:
-        rows = pool.run(body, steps, repeats, deadline=600.0)[0]
+        rows = pool.run(body, steps, repeats, members, deadline=600.0)[0]
     return {"rows": rows, "table": format_table(rows, steps, repeats)}

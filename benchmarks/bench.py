@@ -330,7 +330,7 @@ def main(
     table += "\n\n" + scalars["table"]
     from benchmarks import _bench_async  # a training loop's logged syncs: blocking against compute_async()
 
-    overlap = _bench_async.run(quick, repeats)
+    overlap = _bench_async.run(quick, repeats, eight_metric_members)
     table += "\n\n" + overlap["table"]
     print(table)
     large = None

@@ -476,8 +476,9 @@ def test_an_exit_with_a_sync_pending_is_bounded_and_says_what_was_lost(tmp_path)
 # -------------------------------------------------------------------------------------------------- the benchmark
 def test_the_benchmark_rows_run():
     from benchmarks import _bench_async
+    from benchmarks.bench import eight_metric_members
 
-    rows = run_distributed(_bench_async.body, 2, 8, 1, deadline=240)[0]
+    rows = run_distributed(_bench_async.body, 2, 8, 1, eight_metric_members, deadline=240)[0]
     assert [(row["case"][:9], row["straggler"], row["max_in_flight"]) for row in rows] == [
         ("ScalarLog", False, 2),
         ("ScalarLog", True, 2),
