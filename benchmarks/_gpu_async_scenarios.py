@@ -51,7 +51,7 @@ def _no_host_sync(device: torch.device) -> str:
     try:
         for step in range(20):
             loss = torch.rand((), device=device, generator=gen)
-            values = {"loss": loss, "tokens": 64 + step, "peak": loss * 3, "nan": loss / 0 * 0}
+            values: dict[str, Any] = {"loss": loss, "tokens": 64 + step, "peak": loss * 3, "nan": loss / 0 * 0}
             log.update(values, weight={"loss": eight, "tokens": 1})
         future = log.compute_async()
     finally:

@@ -488,3 +488,24 @@ def test_the_benchmark_rows_run():
     ]
     assert all(row[mode] > _bench_async.COMPUTE_S * 1000 for row in rows for mode in ("none", "blocking", "async"))
     assert "off the loop" in _bench_async.format_table(rows, 8, 1)
+
+
+# ----------------------------------------------------------------- what cannot leave the calling thread: at once
+def body_at_once(rank, world_size):
+    from torchmetrics.classification import BinaryAccuracy
+    from torchmetrics.wrappers import MinMaxMetric
+
+    wrapper = tv.rebase(MinMaxMetric)(BinaryAccuracy())  # its compute syncs the wrapped metric: the caller's thread
+    wrapper.update(torch.tensor([0.9, 0.1 + rank]), torch.tensor([1, 0]))
+    custom = tv.rebase(SumMetric)(dist_sync_fn=lambda tensor, group=None: [tensor, tensor])  # a gather of its own
+    custom.update(torch.tensor(1.0 + rank))
+    out = {}
+    for name, metric in (("wrapper", wrapper), ("custom", custom)):
+        future = metric.compute_async()
+        out[name] = (future.done(), same_bits(future.result(), metric.compute()))
+    return out
+
+
+def test_what_cannot_leave_the_calling_thread_is_computed_at_once():
+    for result in run_distributed(body_at_once, 2, deadline=60):
+        assert result == {"wrapper": (True, True), "custom": (True, True)}

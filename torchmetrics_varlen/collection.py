@@ -15,7 +15,7 @@ from torchmetrics import MetricCollection as StockMetricCollection
 from torchmetrics_varlen._sync import deferred
 from torchmetrics_varlen._sync.group import link, parse_cap, resolve_timeout
 from torchmetrics_varlen._sync.states import metrics_device, sync_states
-from torchmetrics_varlen.metric import Metric, check_in_flight, is_coalescing_sync_fn
+from torchmetrics_varlen.metric import Metric, check_in_flight, has_child_metrics, is_coalescing_sync_fn
 
 __all__ = ["MetricCollection"]
 
@@ -98,8 +98,8 @@ class MetricCollection(StockMetricCollection):
 
         As :meth:`torchmetrics_varlen.Metric.compute_async`, for every member at once (one sync of all their
         states, on the side group, from the worker thread). Where some member would sync on its own (a
-        ``process_group`` of its own, a custom ``dist_sync_fn``, ``sync_on_compute=False``, a ``ScalarLog``), or
-        nothing is to sync, it computes at once and returns a finished future.
+        ``process_group`` of its own, a custom ``dist_sync_fn``, ``sync_on_compute=False``, a ``ScalarLog``, a wrapper
+        of other metrics), or nothing is to sync, it computes at once and returns a finished future.
 
         Returns:
             A :class:`concurrent.futures.Future` of the dict.
@@ -117,7 +117,8 @@ class MetricCollection(StockMetricCollection):
         """
         members = self._coalesced_members()
         sync_link = link(None, metrics_device(members), self.sync_timeout, "sync of MetricCollection")
-        if sync_link is None or not members or len(members) != len(self._modules):
+        whole = members and len(members) == len(self._modules) and not any(map(has_child_metrics, members))
+        if sync_link is None or not whole:
             return deferred.finished(self.compute)
         memo: dict[int, Any] = {}
         stand_ins = [deferred.snapshot(metric, memo) for metric in members]

@@ -309,9 +309,11 @@ class Metric(StockMetric):
         ``max_in_flight`` pending syncs the call first waits for the oldest. Never fills the metric's cache.
 
         Where nothing would be exchanged (no process group, a group of one, a synced metric) or the sync cannot leave
-        the calling thread (a custom ``dist_sync_fn`` or ``_sync_dist``, a differentiable sync, inside ``join``), it
-        computes at once and returns a finished future. On a subgroup, the first call makes its side group with every
-        rank of the world (each rank with its own group, at the same point). See "Syncs off the critical path".
+        the calling thread (a custom ``dist_sync_fn`` or ``_sync_dist``, a differentiable sync, inside ``join``, a
+        wrapper of other metrics, whose ``compute`` syncs them), it computes at once and returns a finished future.
+        ``compute`` runs on the worker thread: it must not communicate itself. The first call on a process group makes
+        its side group, with every rank of the world (on subgroups: each rank with its own group, at the same point).
+        See "Syncs off the critical path".
 
         Returns:
             A :class:`concurrent.futures.Future` of the result.
@@ -340,7 +342,7 @@ class Metric(StockMetric):
         """Whether this metric's sync can run off the calling thread (the coalesced one, not differentiable)."""
         differentiable = self.sync_grads and torch.is_grad_enabled()
         ours = self.dist_sync_fn in _OUR_GATHERS and type(self)._sync_dist is Metric._sync_dist
-        return ours and not differentiable and self._tv_join is None
+        return ours and not differentiable and self._tv_join is None and not has_child_metrics(self)
 
     def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]]:
         """On the calling thread: the snapshot, and what the worker runs with the side group's link."""
@@ -357,6 +359,17 @@ class Metric(StockMetric):
             return cls._finish(cls.compute(stand_in))
 
         return run, []
+
+
+def has_child_metrics(metric: StockMetric) -> bool:
+    """Whether ``metric`` holds metrics of its own (a wrapper): computing it syncs them, on the calling thread only."""
+    children = list(vars(metric)["_modules"].values())  # not `modules()`: it hashes metrics, whose hash reads states
+    while children:
+        child = children.pop()
+        if isinstance(child, StockMetric):
+            return True
+        children += [] if child is None else vars(child)["_modules"].values()
+    return False
 
 
 def check_in_flight(max_in_flight: object) -> int:
