@@ -76,8 +76,9 @@ def body(
     from torchmetrics_varlen import MetricCollection
 
     rows = []
-    cases = [("ScalarLog, 100 keys", False, 2), ("ScalarLog, 100 keys", True, 2), ("ScalarLog, 100 keys", True, 8)]
-    cases += [("+ 8-metric collection / 10 steps", False, 2), ("+ 8-metric collection / 10 steps", True, 2)]
+    scalars, both = "ScalarLog, 100 keys", "+ 8-metric collection / 10 steps"
+    cases = [(scalars, straggler, in_flight) for straggler in (False, True) for in_flight in (2, 8)]
+    cases += [(both, False, 2), (both, True, 8)]
     for name, straggler, in_flight in cases:
         collection = MetricCollection(members()) if name.startswith("+") else None
         times: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
