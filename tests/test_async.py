@@ -510,3 +510,24 @@ def body_at_once(rank, world_size):
 def test_what_cannot_leave_the_calling_thread_is_computed_at_once():
     for result in run_distributed(body_at_once, 2, deadline=60):
         assert result == {"wrapper": (True, True), "custom": (True, True)}
+
+
+def body_join(rank, world_size):
+    """A join drives the side group from its own thread: it waits for the pending syncs there, and queues none."""
+    step_metric = tv.rebase(SumMetric)(dist_sync_on_step=True, sync_timeout=60)
+    other = tv.rebase(SumMetric)(sync_timeout=60)
+    other.update(torch.tensor(1.0))
+    before = other.compute_async()  # pending when the join starts
+    with tv.join(step_metric):
+        inside = other.compute_async()  # at once, on the metric's own group: the join drives the side group
+        done_inside = inside.done()
+        for _ in range(2 + rank):  # uneven steps: rank 1 runs one more, rank 0's worker shadows it on the side group
+            step_metric(torch.tensor(1.0))
+    after = other.compute_async()
+    values = [future.result(60).item() for future in (before, inside, after)]
+    return {"values": values, "done_inside": done_inside, "epoch": step_metric.compute().item()}
+
+
+def test_a_join_waits_for_pending_syncs_and_queues_none_on_its_side_group():
+    for result in run_distributed(body_join, 2, deadline=90, fresh=True):
+        assert result == {"values": [2.0, 2.0, 2.0], "done_inside": True, "epoch": 5.0}

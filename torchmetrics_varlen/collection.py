@@ -145,7 +145,8 @@ class MetricCollection(StockMetricCollection):
 
         device = metrics_device(members)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        return deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream)
+        future = deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream)
+        return future if future is not None else deferred.finished(self.compute)  # inside a join: at once
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())  # type: ignore[no-untyped-call]

@@ -262,7 +262,7 @@ class _Session:
         self.own = own
         # Made by every rank of the world the first time (each builds its join at the same point); kept after.
         self.side = engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
-        deferred.settle(self.side)  # pending compute_async syncs on it first: one thread at a time drives it
+        deferred.hold(self.side, True)  # pending compute_async syncs on it first, none until `detach`: one driver
         self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
         self.shadow = _Shadow(self.metrics, self.side, self.contexts)
         self.joined = not counted
@@ -317,6 +317,7 @@ class _Session:
         for metric in self.metrics:
             if metric._tv_join is self:
                 metric._tv_join = None
+        deferred.hold(self.side, False)
 
 
 class _Hook(JoinHook):

@@ -309,8 +309,9 @@ class Metric(StockMetric):
         ``max_in_flight`` pending syncs the call first waits for the oldest. Never fills the metric's cache.
 
         Where nothing would be exchanged (no process group, a group of one, a synced metric) or the sync cannot leave
-        the calling thread (a custom ``dist_sync_fn`` or ``_sync_dist``, a differentiable sync, inside ``join``, a
-        wrapper of other metrics, whose ``compute`` syncs them), it computes at once and returns a finished future.
+        the calling thread (a custom ``dist_sync_fn`` or ``_sync_dist``, a differentiable sync, inside a ``join`` on
+        its group, a wrapper of other metrics, whose ``compute`` syncs them), it computes at once and returns a
+        finished future.
         ``compute`` runs on the worker thread: it must not communicate itself. The first call on a process group makes
         its side group, with every rank of the world (on subgroups: each rank with its own group, at the same point).
         See "Syncs off the critical path".
@@ -336,13 +337,15 @@ class Metric(StockMetric):
             return deferred.finished(self.compute)
         run, ready = self._async_run(label)
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        return deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream, ready)
+        future = deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream, ready)
+        return future if future is not None else deferred.finished(self.compute)  # inside a join: at once
 
     def _async_syncs(self) -> bool:
         """Whether this metric's sync can run off the calling thread (the coalesced one, not differentiable)."""
         differentiable = self.sync_grads and torch.is_grad_enabled()
         ours = self.dist_sync_fn in _OUR_GATHERS and type(self)._sync_dist is Metric._sync_dist
-        return ours and not differentiable and self._tv_join is None and not has_child_metrics(self)
+        plain = all(name in vars(self) for name in self._defaults)  # not states kept elsewhere (a property)
+        return ours and plain and not differentiable and self._tv_join is None and not has_child_metrics(self)
 
     def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]]:
         """On the calling thread: the snapshot, and what the worker runs with the side group's link."""

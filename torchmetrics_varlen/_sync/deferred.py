@@ -7,8 +7,9 @@
   group (:func:`.engine.side_link`: a gloo group of the same ranks, the one the Join worker uses, made on the calling
   thread at the first call). Every rank makes the calls in the same order, so the side groups' collectives pair up as
   the blocking calls' would; no collective of the job's own groups is ever issued from the worker, and a ``join``
-  first waits for the jobs on its side group (:func:`settle`), so no side group is driven from two threads. Device
-  work of a job (the results' copies back, the metric's compute) runs on the caller's CUDA stream, in stream order.
+  first waits for the jobs on its side group and queues none there while it runs (:func:`hold`), so no side group is
+  driven from two threads. Device work of a job (the results' copies back, the metric's compute) runs on the
+  caller's CUDA stream, in stream order.
 * **Faults.** The worker's waits are the engine's: the sync's timeout, the named errors. A job that ends in
   ``SyncTimeoutError`` or ``SyncPeerError`` leaves a collective pending on its side group: every later job on that
   group raises the same kind of error at once, naming the first failure.
@@ -161,13 +162,16 @@ def submit(
     max_in_flight: int,
     stream: Any = None,
     ready: Sequence[Any] = (),
-) -> "futures.Future[Any]":
+) -> "futures.Future[Any] | None":
     """Queue ``run`` on the side group of ``group_link``'s group; its future, also appended to ``pending``.
 
     At ``max_in_flight`` pending futures of the caller (``pending``), first waits for the oldest. Makes the side group
-    at the first call on a group (every rank of the world then, see :func:`.engine.side_link`).
+    at the first call on a group (every rank of the world then, see :func:`.engine.side_link`). None, queuing nothing,
+    while a ``join`` drives that side group: the caller syncs at once instead.
     """
     side = engine.side_link(group_link, group_link.timeout)
+    if side.state.held:
+        return None
     side = replace(side, what=f"{group_link.what} (compute_async)")
     while pending and pending[0].done():
         pending.popleft()
@@ -189,9 +193,15 @@ def submit(
     return future
 
 
-def settle(side: Link) -> None:
-    """Wait for the pending syncs on the side group of ``side`` (a ``join`` is about to drive it from its threads)."""
-    WORKER.settle(side.state)
+def hold(side: Link, held: bool) -> None:
+    """A ``join`` starts (``held``) or stops driving the side group ``side``.
+
+    It first waits for the pending syncs there; while it is held, :func:`submit` queues none (the caller computes at
+    once).
+    """
+    if held:
+        WORKER.settle(side.state)
+    side.state.held = held
 
 
 def finished(compute: Callable[[], Any]) -> "futures.Future[Any]":
