@@ -328,6 +328,10 @@ def main(
 
     scalars = _bench_scalars.run(quick, repeats)  # logged scalars: ScalarLog vs per-key all_reduce vs gather_object
     table += "\n\n" + scalars["table"]
+    from benchmarks import _bench_async  # a training loop's logged syncs: blocking against compute_async()
+
+    overlap = _bench_async.run(quick, repeats, eight_metric_members)
+    table += "\n\n" + overlap["table"]
     print(table)
     large = None
     if skew is not None:
@@ -343,6 +347,7 @@ def main(
             out.write("::\n\n" + "\n".join(f"    {line}".rstrip() for line in table.splitlines()) + "\n")
     result = {"world_size": world_size, "repeats": repeats, "rows": rows, "memory": memory, "large": large}
     result["scalars"] = scalars["rows"]
+    result["async"] = overlap["rows"]
     result["objects"] = objects
     print(json.dumps(result, indent=1))
     if json_path:

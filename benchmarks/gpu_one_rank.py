@@ -37,7 +37,7 @@ from torchmetrics.aggregation import CatMetric
 from torchmetrics.utilities.data import dim_zero_cat
 
 import torchmetrics_varlen as tv
-from benchmarks import _gpu_one_rank_nccl
+from benchmarks import _gpu_async_scenarios, _gpu_one_rank_nccl
 from benchmarks._gpu_common import NoteError, SkipError
 from torchmetrics_varlen._sync import engine
 from torchmetrics_varlen._sync.group import REGISTRY, GroupState, Link, group_timeout
@@ -322,6 +322,7 @@ SCENARIOS: dict[str, Callable[[torch.device], str]] = {
     "memory-after-compute": _memory_after_compute,
     "blocking-wait-group": _blocking_wait,
     **_gpu_one_rank_nccl.SCENARIOS,  # issue 34: nccl2, the gather to one rank, the watchdog in default mode
+    **_gpu_async_scenarios.SCENARIOS,  # issue 44: compute_async without host syncs, step time blocking vs async
 }
 
 

@@ -12,7 +12,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 def _run(args, timeout=180):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # This checkout's package first (a script's own directory, not the root, is first on its path).
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path)
     result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     return result.stdout
@@ -22,6 +24,14 @@ def test_ddp_soft_f1_example_trains():
     out = _run([sys.executable, "examples/ddp_soft_f1.py", "--world-size", "2", "--steps", "3"])
     assert out.count("global-batch soft-F1 loss") == 3
     assert "epoch soft-F1 loss over all ranks' samples" in out
+
+
+def test_async_logging_example_prints_every_step_in_order():
+    out = _run([sys.executable, "examples/async_logging.py", "--world-size", "2", "--steps", "6"])
+    rows = [line for line in out.splitlines() if line.startswith("step ")]
+    steps = [int(line.split()[1]) for line in rows]
+    assert steps == sorted(steps) and steps.count(3) == 2 and len(rows) == 8, out  # 6 windows, 2 AUROCs
+    assert all("'samples': 24.0" in line for line in rows if "scalars" in line), out  # 8 + 16 samples a step
 
 
 @pytest.mark.parametrize("target", [["examples/ddp_soft_f1.py", "--steps", "3"], ["-m", "benchmarks", "demo"]])
@@ -62,3 +72,4 @@ def test_bench_quick_runs_and_reports_its_collectives(tmp_path):
         assert (tmp_path / f"table_{suffix}.rst").read_text().startswith("::\n")
         assert (tmp_path / f"bench_{suffix}.png").read_bytes()[:4] == b"\x89PNG"
     assert "Skewed cat state: 3 gloo ranks" in out and "Memory of sync() alone" in out
+    assert "Syncs off the critical path" in out and len(result["async"]) == 6

@@ -1,6 +1,6 @@
 """The runtime's shape, read from its code: layers that import only downward, one module that starts collectives,
-public modules that never touch a collective or a group's state, few process-global mutable objects, one kind of
-thread and one exit handler.
+public modules that never touch a collective or a group's state, few process-global mutable objects, two kinds of
+thread (each driving gloo side groups only) and one exit handler.
 
 These are read from the source (imports, calls) and from the imported modules (their module-level objects), so a
 change that breaks the shape fails here, whatever it does at run time.
@@ -41,6 +41,7 @@ LAYERS = [
     "_sync.move",
     "_sync.engine",
     "_sync.states",
+    "_sync.deferred",
     "_sync",
     # the public modules
     "sampler",
@@ -185,6 +186,7 @@ GLOBALS = {
     "_sync.states._class_layout": "what a set of metric classes syncs, asked at every per-step sync",
     "metric.rebase": "one rebased class per stock class, so that instances pickle and compare",
     "metric._rebased_meta": "one metaclass per stock metaclass, registered once with copyreg",
+    "_sync.deferred.WORKER": "one thread runs every pending compute_async sync in call order, the order of every rank",
 }
 _MUTABLE = (
     dict, list, set, bytearray, OrderedDict, defaultdict, deque, weakref.WeakKeyDictionary,
@@ -236,8 +238,9 @@ def _calls(name: str) -> list[str]:
     return found
 
 
-def test_one_kind_of_thread_and_one_exit_handler():
-    assert _calls("threading.Thread") == ["join"]  # the Join worker
+def test_two_kinds_of_thread_and_one_exit_handler():
+    # The pending syncs' worker (compute_async) and the Join worker; both drive gloo side groups only.
+    assert _calls("threading.Thread") == ["_sync.deferred", "join"]
     assert _calls("atexit.register") == ["_sync.wait"]
     assert len(_calls("atexit.register")) == 1
 

@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import sys
+import time
 import warnings
 
 import pytest
@@ -104,3 +105,86 @@ def test_accelerate_example_logs_the_exact_mean():
     returncode, stdout, stderr = run_torchrun(["examples/logged_scalars_accelerate.py"], 240)
     assert returncode == 0, f"exit {returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
     assert "logged: {'value': 10.0, 'samples': 21.0, 'largest': 20.0}" in stdout  # one process: mean of 0..20
+
+
+# ------------------------------------------------------------------------------ asynchronous logged scalars (#44)
+EVERY = 3
+
+
+def _async_lightning_body(rank, world_size, directory):
+    import csv
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+    from test_lightning_exact import _trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from torchmetrics_varlen.lightning import AsyncScalars
+
+    class SlowLog(ScalarLog):
+        """A sync slower than a training step: its row is still pending when Lightning logs the next step."""
+
+        def _reduce_window(self, *args):
+            time.sleep(0.3)
+            return super()._reduce_window(*args)
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 1)
+            self.train_scalars = SlowLog(reduce={"samples": "sum", "y_max": "max"})
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x).squeeze(1), y)
+            self.train_scalars.update({"loss": loss.detach(), "samples": len(y), "y_max": y.max()}, weight=len(y))
+            self.log("lightning_loss", loss, on_step=True, on_epoch=False)  # Lightning's own row, every step
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Blocking(pl.Callback):
+        """The reference: the same windows, computed at once and written at the same point, with the same step."""
+
+        def on_train_batch_end(self, trainer, module, *args):
+            step = trainer.fit_loop.epoch_loop._batches_that_stepped
+            if (step + 1) % EVERY == 0:
+                values = module.train_scalars.compute()
+                module.train_scalars.reset()
+                for logger in trainer.loggers:
+                    logger.log_metrics(values, step)
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 3, generator=gen), torch.randn(32, generator=gen))
+    rows = {}
+    for kind in ("async", "blocking"):
+        pl.seed_everything(0, verbose=False)
+        callbacks = [AsyncScalars("train_scalars", every_n_steps=EVERY)] if kind == "async" else [Blocking()]
+        logger = CSVLogger(directory, name=kind, version=0)
+        trainer = _trainer(world_size, callbacks, max_epochs=2, logger=logger, log_every_n_steps=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Model(), DataLoader(data, batch_size=2))
+        if rank == 0:
+            with open(f"{directory}/{kind}/version_0/metrics.csv") as file:
+                rows[kind] = list(csv.DictReader(file))
+    return rows
+
+
+def test_lightning_async_scalars_are_the_blocking_rows_in_step_order(tmp_path):
+    pytest.importorskip("lightning")
+    from conftest import run_distributed
+    from test_lightning import LIGHTNING_POOL
+
+    rows = run_distributed(_async_lightning_body, 2, str(tmp_path), deadline=240, env=LIGHTNING_POOL)[0]
+
+    def ours(table):
+        return [(int(row["step"]), row["loss"], row["samples"], row["y_max"]) for row in table if row["loss"]]
+
+    expected = ours(rows["blocking"])
+    assert [step for step, *_ in expected] == [2, 5, 8, 11, 14]  # 16 steps (2 epochs of 8), every 3rd
+    assert ours(rows["async"]) == expected  # the same values, as written (repr of the float: every bit)
+    steps = [int(row["step"]) for row in rows["async"]]
+    assert steps == sorted(steps), steps  # never a row older than one written before it
+    assert sum(1 for row in rows["async"] if row["lightning_loss"]) == 16  # Lightning's own rows are all there

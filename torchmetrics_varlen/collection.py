@@ -2,16 +2,20 @@
 
 import functools
 import weakref
+from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
+from torchmetrics_varlen._sync import deferred
 from torchmetrics_varlen._sync.group import link, parse_cap, resolve_timeout
 from torchmetrics_varlen._sync.states import metrics_device, sync_states
-from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn
+from torchmetrics_varlen.metric import Metric, check_in_flight, has_child_metrics, is_coalescing_sync_fn
 
 __all__ = ["MetricCollection"]
 
@@ -43,6 +47,7 @@ class MetricCollection(StockMetricCollection):
         sync_timeout: seconds to wait for the other ranks (see :class:`~torchmetrics_varlen.Metric`).
         sync_cap: the transfer cap of the collection's syncs (see :class:`~torchmetrics_varlen.Metric`); None: the
             smallest of the members' own, else the environment's or the default.
+        max_in_flight: how many :meth:`compute_async` syncs of the collection may be pending at once.
 
     Example:
         >>> import torch
@@ -63,10 +68,13 @@ class MetricCollection(StockMetricCollection):
         compute_groups: bool | list[list[str]] = True,
         sync_timeout: float | None = None,
         sync_cap: int | str | None = None,
+        max_in_flight: int = 2,
     ) -> None:
         super().__init__(metrics, *additional_metrics, prefix=prefix, postfix=postfix, compute_groups=compute_groups)
         self.sync_timeout = resolve_timeout(sync_timeout)
         self.sync_cap = parse_cap(sync_cap, "sync_cap") if sync_cap is not None else None
+        self.max_in_flight = check_in_flight(max_in_flight)
+        self._tv_pending: deque[Future[Any]] = deque()
         self._join_member_computes()
 
     def add_metrics(self, metrics: Any, *additional_metrics: StockMetric) -> None:
@@ -84,6 +92,66 @@ class MetricCollection(StockMetricCollection):
         """Sync all members at once, then compute each one from the global states."""
         with self._synced_members():
             return self._compute_and_reduce("compute")
+
+    def compute_async(self) -> "Future[dict[str, Any]]":
+        """Start this ``compute()``'s sync and return at once: a future of exactly the dict ``compute()`` returns now.
+
+        As :meth:`torchmetrics_varlen.Metric.compute_async`, for every member at once (one sync of all their
+        states, on the side group, from the worker thread). Where some member would sync on its own (a
+        ``process_group`` of its own, a custom ``dist_sync_fn``, ``sync_on_compute=False``, a ``ScalarLog``, a wrapper
+        of other metrics), or nothing is to sync, it computes at once and returns a finished future.
+
+        Returns:
+            A :class:`concurrent.futures.Future` of the dict.
+
+        Example:
+            >>> import torch
+            >>> from torchmetrics.aggregation import MaxMetric, SumMetric
+            >>> from torchmetrics_varlen import MetricCollection
+            >>> metrics = MetricCollection({"sum": SumMetric(), "max": MaxMetric()})
+            >>> metrics.update(torch.tensor([1.0, 5.0]))
+            >>> future = metrics.compute_async()
+            >>> metrics.reset()  # at once: the pending sync owns a snapshot
+            >>> future.result()
+            {'max': tensor(5.), 'sum': tensor(6.)}
+        """
+        members = self._coalesced_members()
+        sync_link = link(None, metrics_device(members), self.sync_timeout, "sync of MetricCollection")
+        whole = members and len(members) == len(self._modules) and not any(map(has_child_metrics, members))
+        if sync_link is None or not whole:
+            return deferred.finished(self.compute)
+        memo: dict[int, Any] = {}
+        stand_ins = [deferred.snapshot(metric, memo) for metric in members]
+        cached = [metric._computed for metric in members]
+        names = list(self._modules)
+        shell = object.__new__(type(self))  # the collection's own settings, for the result's names
+        vars(shell).update(vars(self))
+
+        def run(side: Any) -> dict[str, Any]:
+            every = all(value is not None for value in cached)
+            synced = sync_states(
+                stand_ins, side, phase="collection", label="MetricCollection", cap=self.sync_cap, cached=every
+            )
+            values = cached if synced is None else [None] * len(stand_ins)
+            for index, states in enumerate(synced or []):
+                _set_states(stand_ins[index], states)
+                values[index] = Metric._finish(type(members[index]).compute(stand_ins[index]))
+            modules = type(self._modules)()
+            for name, stand_in, value in zip(names, stand_ins, values):
+                vars(stand_in)["compute"] = functools.partial(_identity, value)  # what the member computed
+                modules[name] = stand_in
+            vars(shell)["_modules"] = modules
+            return StockMetricCollection._compute_and_reduce(shell, "compute")
+
+        device = metrics_device(members)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        future = deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream)
+        return future if future is not None else deferred.finished(self.compute)  # inside a join: at once
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())  # type: ignore[no-untyped-call]
+        state["_tv_pending"] = deque()  # futures belong to this process: a copy has none pending
+        return state
 
     def _join_member_computes(self) -> None:
         """Wrap each member's ``compute`` so that the first one computed syncs the whole collection (see above).
@@ -201,6 +269,10 @@ def _collection_compute(
 
     compute_in_collection.__tv_collection__ = collection  # type: ignore[attr-defined]
     return compute_in_collection
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _set_states(metric: StockMetric, states: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync import deferred, engine
 from torchmetrics_varlen._sync.group import Link, link
 from torchmetrics_varlen._sync.record import FLAG_SHADOW, H_CONTEXT, H_FLAGS, HEADER_LEN, context_hash
 from torchmetrics_varlen._sync.states import StateDict, layout, layout_text, reduce_results, run
@@ -140,6 +140,7 @@ class _Session(JoinHook):
         self.own = own
         # Made by every rank of the world the first time (each builds its join at the same point); kept after.
         self.side = engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
+        deferred.hold(self.side, True)  # pending compute_async syncs on it first, none until `detach`: one driver
         self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
         self.joined = not counted
         self.errors: list[BaseException] = []  # the hooks' (raised by `join` on exit, after the worker's)
@@ -197,6 +198,7 @@ class _Session(JoinHook):
         for metric in self.metrics:
             if metric._tv_join is self:
                 metric._tv_join = None
+        deferred.hold(self.side, False)
 
     def main_hook(self) -> None:
         if self.thread is None:  # it only starts a thread: the worker must run before DDP's hook blocks

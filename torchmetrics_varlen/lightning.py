@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torchmetrics_varlen._sync.group import link
 from torchmetrics_varlen._sync.move import agree
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
+from torchmetrics_varlen.scalars import ScalarLog
 
 try:
     from lightning.pytorch import Callback
@@ -24,7 +25,7 @@ except ImportError:  # the package imports without Lightning; the callback says 
 else:
     _LIGHTNING_ERROR = None
 
-__all__ = ["ExactEvaluation", "UnevenStepsError"]
+__all__ = ["AsyncScalars", "ExactEvaluation", "UnevenStepsError"]
 
 # Strategy methods that are collectives: inside an evaluation step with uneven per-rank step counts each one would
 # wait forever on the ranks that still have batches (the others have left the loop).
@@ -207,3 +208,98 @@ def _unpadded_sampler(dataloader: DataLoader[Any], shuffle: bool, trainer: Any) 
     from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
 
     return UnrepeatedDistributedSamplerWrapper(dataloader.sampler, shuffle=shuffle, seed=seed, **kwargs)
+
+
+class AsyncScalars(Callback):  # type: ignore[misc,valid-type]
+    """Log a LightningModule's :class:`~torchmetrics_varlen.ScalarLog` windows without waiting for the other ranks.
+
+    One line: ``Trainer(callbacks=[AsyncScalars()])``; the training steps update the module's ``ScalarLog``
+    attributes as usual (no ``compute()``, no ``self.log``). Every ``every_n_steps`` optimizer steps each log gets
+    ``compute_async()`` and ``reset()``, and its values are written to every logger of the Trainer labelled with the
+    step that produced them (the step Lightning labels that batch's own rows with), once the sync has finished: after
+    a later batch, and always before any logger writes a later step (each logger's ``log_metrics`` first writes what
+    is pending for earlier steps, waiting for it if need be: loggers such as W&B drop rows older than their current
+    step) and at the end of training. A failed sync raises its error on every rank there.
+
+    Args:
+        names: the module's ``ScalarLog`` attributes to log (default: every ``ScalarLog`` attribute of the module).
+        every_n_steps: optimizer steps per window (default: the Trainer's ``log_every_n_steps``).
+
+    Raises:
+        ModuleNotFoundError: Lightning is not installed.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from torchmetrics_varlen.lightning import AsyncScalars
+        >>> trainer = Trainer(accelerator="cpu", devices=1, callbacks=[AsyncScalars("train_scalars")], logger=False,
+        ...                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        >>> any(isinstance(callback, AsyncScalars) for callback in trainer.callbacks)
+        True
+    """
+
+    def __init__(self, *names: str, every_n_steps: int | None = None) -> None:
+        if _LIGHTNING_ERROR is not None:
+            raise ModuleNotFoundError(_LIGHTNING_ERROR)
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ValueError(f"Expected `every_n_steps` to be a positive int or None but got {every_n_steps!r}")
+        super().__init__()
+        self.names, self.every_n_steps = names, every_n_steps
+        self._logs: list[ScalarLog] = []
+        self._pending: list[tuple[int, list[Any]]] = []  # (step, futures), oldest first
+        self._writers: list[tuple[Any, Callable[..., Any]]] = []  # (logger, its own log_metrics)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Find the logs; make each logger write what is pending for earlier steps before a row of its own."""
+        self.teardown(trainer, pl_module, stage)
+        named = [getattr(pl_module, name, None) for name in self.names]
+        for name, log in zip(self.names, named):
+            if not isinstance(log, ScalarLog):
+                raise ValueError(f"Expected `{name}` to be a ScalarLog attribute of {type(pl_module).__name__}")
+        self._logs = [log for log in named if isinstance(log, ScalarLog)]
+        self._logs = self._logs or [child for child in pl_module.children() if isinstance(child, ScalarLog)]
+        for logger in trainer.loggers:
+            original = logger.log_metrics
+            self._writers.append((logger, original))
+            vars(logger)["log_metrics"] = self._ordered(original)
+
+    def _ordered(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def log_metrics(metrics: Any, step: int | None = None) -> Any:
+            self._write(before=step)
+            return original(metrics, step)
+
+        return log_metrics
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        """Write the finished windows; at the end of a window, start its syncs and reset the logs."""
+        self._write(ready=True)
+        if trainer.fit_loop._should_accumulate():
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # how Lightning labels this batch's rows
+        if (step + 1) % (self.every_n_steps or trainer.log_every_n_steps or 1) == 0:
+            self._pending.append((step, [log.compute_async() for log in self._logs]))
+            for log in self._logs:
+                log.reset()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Write every pending window."""
+        self._write()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Write every pending window, then give the loggers their own ``log_metrics`` back."""
+        try:
+            self._write()
+        finally:
+            while self._writers:
+                logger, _ = self._writers.pop()
+                vars(logger).pop("log_metrics", None)
+
+    def _write(self, ready: bool = False, before: int | None = None) -> None:
+        """Write the pending windows in step order: the finished ones (``ready``), or those before ``before``."""
+        while self._pending and (before is None or self._pending[0][0] < before):
+            step, pending = self._pending[0]
+            if ready and not all(future.done() for future in pending):
+                return
+            self._pending.pop(0)
+            values = {key: value for future in pending for key, value in future.result().items()}
+            for _, write in self._writers:
+                write(values, step)

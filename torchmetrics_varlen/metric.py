@@ -3,7 +3,9 @@
 import copyreg
 import functools
 import importlib
+from collections import deque
 from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -16,6 +18,7 @@ from torchmetrics.utilities import distributed as _tm_distributed
 from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
 
+from torchmetrics_varlen._sync import deferred
 from torchmetrics_varlen._sync.group import link, needs_sync, parse_cap, resolve_timeout
 from torchmetrics_varlen._sync.states import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
@@ -96,6 +99,8 @@ class Metric(StockMetric):
             (an int, or a string such as ``"64MiB"``); larger transfers move in chunks and by per-rank broadcasts
             straight into the result. None takes ``TORCHMETRICS_VARLEN_SYNC_CAP``, else 256 MiB. The ranks use the
             smallest of theirs. See "How the sync works".
+        max_in_flight: how many :meth:`compute_async` syncs of this metric may be pending at once; the next call
+            first waits for the oldest (see "Syncs off the critical path").
         kwargs: the keyword arguments of :class:`torchmetrics.Metric` (``dist_sync_on_step``, ``process_group``, ...).
 
     Example:
@@ -123,6 +128,7 @@ class Metric(StockMetric):
         sync_timeout: float | None = None,
         sync_grads: bool = False,
         sync_cap: int | str | None = None,
+        max_in_flight: int = 2,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("dist_sync_fn", gather_all_tensors)
@@ -132,12 +138,15 @@ class Metric(StockMetric):
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
         self.sync_cap = parse_cap(sync_cap, "sync_cap") if sync_cap is not None else None
+        self.max_in_flight = check_in_flight(max_in_flight)
         self._tv_join: Any = None  # the join whose worker shadows this metric's per-step syncs (``join``)
+        self._tv_pending: deque[Future[Any]] = deque()  # this metric's pending ``compute_async`` syncs
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
         state["_tv_join"] = None  # a join holds a thread and a process group: a copy starts outside any join
         state.pop("_tv_classes", None)  # what the sync keeps of the class: made again where it is needed
+        state["_tv_pending"] = deque()  # futures belong to this process: a copy has none pending
         return state
 
     def join_hook(self, **kwargs: Any) -> Any:
@@ -258,11 +267,7 @@ class Metric(StockMetric):
         @functools.wraps(compute)
         def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
             if self._update_count == 0:  # `update_called` is deprecated in torchmetrics
-                rank_zero_warn(
-                    f"The ``compute`` method of metric {type(self).__name__} was called before the ``update`` method"
-                    " which may lead to errors, as metric states have not yet been updated.",
-                    UserWarning,
-                )
+                _warn_before_update(self)
             collective = self._to_sync and not self._is_synced and self._distributed()
             cached = self._computed is not None
             if cached and not (collective and self.dist_sync_fn in _OUR_GATHERS):
@@ -293,6 +298,97 @@ class Metric(StockMetric):
         # As stock: clone so that the result shares no memory with the states (a compute may return a state, which
         # later updates change in place). The cached object is the one returned, as with stock.
         return apply_to_collection(_squeeze_if_scalar(value), Tensor, lambda tensor: tensor.clone())
+
+    def compute_async(self) -> "Future[Any]":
+        """Start this ``compute()``'s sync and return at once: a future of exactly what ``compute()`` returns now.
+
+        Call it on every rank in the same order, as ``compute()``. The calling thread copies the states (where they
+        live, on the current stream) and hands the sync to a worker thread, which runs it on a gloo side group of the
+        metric's process group and computes the result; the metric may be updated, reset or computed again at once.
+        ``result()`` is bit for bit the value a blocking ``compute()`` returns at the call, the same on every rank,
+        or raises the error it would (``SyncTimeoutError`` naming a missing rank, ``SyncPeerError``). At
+        ``max_in_flight`` pending syncs the call first waits for the oldest. Never fills the metric's cache.
+
+        Where nothing would be exchanged (no process group, a group of one, a synced metric) or the sync cannot leave
+        the calling thread (a custom ``dist_sync_fn`` or ``_sync_dist``, a differentiable sync, inside a ``join`` on
+        its group, a wrapper of other metrics, whose ``compute`` syncs them), it computes at once and returns a
+        finished future.
+        ``compute`` runs on the worker thread: it must not communicate itself. The first call on a process group makes
+        its side group, with every rank of the world (on subgroups: each rank with its own group, at the same point).
+        See "Syncs off the critical path".
+
+        Returns:
+            A :class:`concurrent.futures.Future` of the result.
+
+        Example:
+            >>> import torch
+            >>> from torchmetrics.aggregation import SumMetric
+            >>> from torchmetrics_varlen import rebase
+            >>> metric = rebase(SumMetric)()
+            >>> metric.update(torch.tensor([1.0, 2.0]))
+            >>> future = metric.compute_async()  # no process group: computed at once
+            >>> metric.update(torch.tensor(10.0))  # after the call: not in its result
+            >>> future.result()
+            tensor(3.)
+        """
+        label = f"{type(self).__name__}.compute"
+        collective = self._to_sync and not self._is_synced and self._distributed()
+        sync_link = link(self.process_group, self.device, self.sync_timeout, f"sync of {label}") if collective else None
+        if sync_link is None or not self._async_syncs():
+            return deferred.finished(self.compute)
+        run, ready = self._async_run(label)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        future = deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream, ready)
+        return future if future is not None else deferred.finished(self.compute)  # inside a join: at once
+
+    def _async_syncs(self) -> bool:
+        """Whether this metric's sync can run off the calling thread (the coalesced one, not differentiable)."""
+        differentiable = self.sync_grads and torch.is_grad_enabled()
+        ours = self.dist_sync_fn in _OUR_GATHERS and type(self)._sync_dist is Metric._sync_dist
+        plain = all(name in vars(self) for name in self._defaults)  # not states kept elsewhere (a property)
+        return ours and plain and not differentiable and self._tv_join is None and not has_child_metrics(self)
+
+    def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]]:
+        """On the calling thread: the snapshot, and what the worker runs with the side group's link."""
+        if self._update_count == 0:
+            _warn_before_update(self)
+        stand_in = deferred.snapshot(self, {})
+        cached, cls = self._computed, type(self)
+
+        def run(side: Any) -> Any:
+            synced = sync_states([stand_in], side, phase="compute", label=label, cached=cached is not None)
+            if synced is None:  # every rank's cached result is valid: it is the global value
+                return cached
+            set_states(stand_in, synced[0])
+            return cls._finish(cls.compute(stand_in))
+
+        return run, []
+
+
+def has_child_metrics(metric: StockMetric) -> bool:
+    """Whether ``metric`` holds metrics of its own (a wrapper): computing it syncs them, on the calling thread only."""
+    children = list(vars(metric)["_modules"].values())  # not `modules()`: it hashes metrics, whose hash reads states
+    while children:
+        child = children.pop()
+        if isinstance(child, StockMetric):
+            return True
+        children += [] if child is None else vars(child)["_modules"].values()
+    return False
+
+
+def check_in_flight(max_in_flight: object) -> int:
+    """``max_in_flight`` checked: an int of at least 1."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"Expected `max_in_flight` to be an int of at least 1 but got {max_in_flight!r}")
+    return max_in_flight
+
+
+def _warn_before_update(metric: StockMetric) -> None:
+    rank_zero_warn(
+        f"The ``compute`` method of metric {type(metric).__name__} was called before the ``update`` method which may"
+        " lead to errors, as metric states have not yet been updated.",
+        UserWarning,
+    )
 
 
 _M = TypeVar("_M", bound=StockMetric)

@@ -4,6 +4,7 @@ import functools
 import numbers
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 from torchmetrics.utilities import rank_zero_warn
 
-from torchmetrics_varlen._sync import engine
+from torchmetrics_varlen._sync import deferred, engine
 from torchmetrics_varlen._sync import scalar_codec as _rec
 from torchmetrics_varlen._sync.group import link, sent_cap
 from torchmetrics_varlen.gather import gather_all_tensors
@@ -34,10 +35,13 @@ class ScalarLog(Metric):
     * ``"sum"``: :math:`\sum v`; ``"max"`` and ``"min"``. The weight counts for ``"mean"`` keys only.
 
     Keys may differ between ranks and between windows; a rank that updated nothing takes part and gets the same dict.
-    Each value and weight becomes float64 on its own (Python numbers, numpy scalars, one-element tensors), and the
+    Each value and weight becomes float64 on its own (Python numbers, numpy scalars, tensors of any dtype), and the
     results (Python floats, ready for any logger) are the same on every rank; float sums equal one process's up to
-    float64 rounding of the ranks' partial sums. Keys must be encodable in UTF-8. NaN is handled as torchmetrics'
-    aggregation metrics handle it (``nan_strategy``); infinities propagate.
+    float64 rounding of the ranks' partial sums. Keys must be encodable in UTF-8. An update with tensors accumulates
+    on the device of its first tensor, without a copy to the host; ``compute()`` and :meth:`compute_async` read each
+    device once. NaN is handled as torchmetrics' aggregation metrics handle it (``nan_strategy``), on the device for
+    tensor updates (``"warn"`` then warns when the window is read; ``"error"`` reads the update's NaN flags on the
+    host, to raise at the update); infinities propagate.
 
     **One collective per** ``compute()``: one exchange of the engine's metadata records, which carry every rank's
     packed values (see the "Logged scalars" docs page for its cost). Names travel once: the ranks agree on a key
@@ -85,9 +89,10 @@ class ScalarLog(Metric):
         self._named: set[str] = set()  # keys whose name and reduction this rank has sent
         self._global: dict[str, float] | None = None
 
-    def _code(self, key: str) -> int:
-        name = self.reduce if isinstance(self.reduce, str) else self.reduce.get(key, "mean")
-        return _rec.REDUCTIONS.index(name) + 1
+    def _codes(self, keys: list[str]) -> list[int]:
+        if isinstance(self.reduce, str):
+            return [_rec.REDUCTIONS.index(self.reduce) + 1] * len(keys)
+        return [_rec.REDUCTIONS.index(self.reduce.get(key, "mean")) + 1 for key in keys]
 
     def update(self, values: Mapping[str, Number], weight: Number | Mapping[str, Number] = 1) -> None:
         """Add one value per key (a float, int or one-element tensor), with a weight (one, or one per key)."""
@@ -108,9 +113,14 @@ class ScalarLog(Metric):
                         " another name."
                     ) from err
         weights = [weight.get(key, 1) for key in keys] if isinstance(weight, Mapping) else [weight] * len(keys)
-        both = _host_floats([values[key] for key in keys] + weights, keys)  # one copy per device for both
+        both = _floats([values[key] for key in keys] + weights, keys)  # host numbers, or one tensor on a device
         v, w = both[: len(keys)], both[len(keys) :]
-        codes = [self._code(key) for key in keys]
+        codes = self._codes(keys)
+        if isinstance(both, Tensor):
+            named = self._acc.add_tensor(keys, codes, v, w, self.nan_strategy)
+            if named:
+                raise RuntimeError(f"Encountered `nan` values in ScalarLog keys {named}")
+            return
         self._acc.add(keys, codes, *self._handle_nan(keys, np.asarray(codes, dtype=np.int64), v, w))
 
     def _handle_nan(self, keys: list[str], codes: Any, v: Any, w: Any) -> tuple[Any, Any]:
@@ -134,7 +144,47 @@ class ScalarLog(Metric):
 
     def compute(self) -> dict[str, float]:
         """Every key updated on some rank since the last ``reset()``, reduced over all ranks (Python floats)."""
-        return dict(self._global if self._global is not None else _rec.local_results(self._acc))
+        return dict(self._global if self._global is not None else _rec.local_results(self._read(self._acc.read())))
+
+    def compute_async(self) -> "Future[dict[str, float]]":
+        """Start this window's sync and return at once: a future of exactly the dict ``compute()`` returns now.
+
+        As :meth:`torchmetrics_varlen.Metric.compute_async`: call it on every rank in the same order; the calling
+        thread copies the accumulators (device ones to pinned host memory, without waiting for the device) and the
+        worker thread exchanges them on the side group. ``reset()`` may follow at once. A blocking ``compute()`` of
+        this log first waits for its pending syncs (the key layout the ranks agree on grows in their order).
+
+        Returns:
+            A :class:`concurrent.futures.Future` of the dict of Python floats.
+
+        Example:
+            >>> from torchmetrics_varlen import ScalarLog
+            >>> log = ScalarLog()
+            >>> log.update({"loss": 2.0}, weight=3)
+            >>> future = log.compute_async()  # no process group: computed at once
+            >>> log.reset()
+            >>> future.result()
+            {'loss': 2.0}
+        """
+        return super().compute_async()
+
+    def _async_syncs(self) -> bool:
+        return type(self)._sync_dist is ScalarLog._sync_dist
+
+    def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]]:
+        reading = self._acc.read()
+
+        def run(side: Any) -> dict[str, float]:
+            return self._reduce_window(self._read(reading), side)
+
+        return run, reading.events
+
+    def _read(self, reading: _rec.Reading) -> _rec.Accumulator:
+        """A reading folded into one accumulator; NaN that tensor updates dropped is warned about now."""
+        acc, nan = reading.folded()
+        if nan and self.nan_strategy == "warn":
+            rank_zero_warn(f"Encountered `nan` values in ScalarLog keys {nan}. Will be removed.", UserWarning)
+        return acc
 
     def reset(self) -> None:
         """Start a new window (the agreed key layout is kept: known keys' names never travel again)."""
@@ -147,7 +197,13 @@ class ScalarLog(Metric):
         sync_link = link(process_group or self.process_group, self.device, self.sync_timeout, f"sync of {label}")
         if sync_link is None:
             return
-        record = _rec.make_record(self._acc, self._layout, self._named, label, sent_cap(self.sync_cap))
+        deferred.wait_all(self._tv_pending)  # the key layout grows in the order of the syncs
+        self._global = self._reduce_window(self._read(self._acc.read()), sync_link)
+
+    def _reduce_window(self, acc: _rec.Accumulator, sync_link: Any) -> dict[str, float]:
+        """One exchange of the window ``acc`` over ``sync_link``; the agreed key layout grows by its new keys."""
+        label = f"{type(self).__name__}.compute"
+        record = _rec.make_record(acc, self._layout, self._named, label, sent_cap(self.sync_cap))
 
         def decode(table: Any) -> tuple[tuple[list[str], list[int], dict[str, float]], int]:
             _rec.check_table(table, sync_link.what)
@@ -156,8 +212,8 @@ class ScalarLog(Metric):
 
         new_names, new_codes, results = engine.exchange(list(record), sync_link, decode)
         self._layout.extend(new_names, new_codes)
-        self._named.update(self._acc.index)
-        self._global = results
+        self._named.update(acc.index)
+        return dict(results)
 
     def unsync(self, should_unsync: bool = True) -> None:
         """Go back to this rank's own accumulators (see :meth:`torchmetrics_varlen.Metric.unsync`)."""
@@ -227,10 +283,17 @@ def _check_reduce(reduce: Any) -> str | dict[str, str]:
     return reduce if isinstance(reduce, str) else dict(reduce)
 
 
-def _host_floats(items: list[Any], keys: list[str]) -> Any:
-    """``items`` (the values of ``keys``, then their weights) as one float64 host array: one copy per device."""
+def _floats(items: list[Any], keys: list[str]) -> Any:
+    """``items`` (the values of ``keys``, then their weights) as float64: a host array, or one tensor on a device.
+
+    A host array when no item is a tensor; else a tensor on the device of the first tensor not on the CPU (the CPU if
+    none), numbers and CPU tensors uploaded at once from pinned memory, without blocking.
+
+    Each item becomes float64 on its own: stacking first would round every item to their common dtype (a bf16 loss
+    beside an int64 count of 1,000,003 made it 999,424).
+    """
     out = np.empty(len(items))
-    by_device: dict[torch.device, list[int]] = {}
+    device: torch.device | None = None  # the first accelerator's; the CPU's for CPU tensors only
     for i, item in enumerate(items):
         what, key = ("values", keys[i]) if i < len(keys) else ("weight", keys[i - len(keys)])
         if isinstance(item, Tensor):
@@ -239,14 +302,21 @@ def _host_floats(items: list[Any], keys: list[str]) -> Any:
                     f"Expected `{what}` of key {key!r} to be a real scalar (one element) but got a tensor of shape"
                     f" {tuple(item.shape)} and dtype {item.dtype}"
                 )
-            by_device.setdefault(item.device, []).append(i)
+            if device is None or device.type == "cpu":
+                device = item.device
+            if item.device.type == "cpu":
+                out[i] = item.item()  # exact in float64 (wider dtypes: rounded once, as by `.to(torch.float64)`)
         elif isinstance(item, numbers.Real):  # Python and numpy numbers (numpy registers its own as Real)
             out[i] = float(item)
         else:
             raise TypeError(f"Expected `{what}` of key {key!r} to be a float, int or 0-d tensor but got {item!r}")
-    for at in by_device.values():
-        # Each to float64 first: stacking first would round every item to their common dtype (a bf16 loss beside
-        # an int64 count of 1,000,003 made it 999,424).
-        stacked = torch.stack([items[i].detach().reshape(()).to(torch.float64) for i in at])
-        out[at] = stacked.cpu().numpy()  # one device-to-host copy per device and update
-    return out
+    if device is None or device.type == "cpu":
+        return out if device is None else torch.from_numpy(out)
+    host = torch.from_numpy(out).pin_memory().to(device, non_blocking=True)
+    parts = [
+        item.detach().reshape(()).to(device, torch.float64, non_blocking=True)
+        if isinstance(item, Tensor) and item.device.type != "cpu"
+        else host[i]
+        for i, item in enumerate(items)
+    ]
+    return torch.stack(parts)

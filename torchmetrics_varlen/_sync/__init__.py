@@ -8,5 +8,6 @@
 * :mod:`.wait`: the one module that waits for them (timeouts, named errors, notes in the store, process exit);
 * :mod:`.grad` and :mod:`.move`: the data step, differentiable or not;
 * :mod:`.engine`: the API (``start``, ``Pending.finish``, ``sync``) and the orchestration;
-* :mod:`.states`: metrics' states in, reduced states out.
+* :mod:`.states`: metrics' states in, reduced states out;
+* :mod:`.deferred`: the syncs ``compute_async()`` leaves pending, run by one worker thread on side groups.
 """

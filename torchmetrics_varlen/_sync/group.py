@@ -352,7 +352,9 @@ class GroupState:
     plans: "OrderedDict[tuple[Any, ...], Plan]" = field(default_factory=OrderedDict)
     learnt: "OrderedDict[Any, Any]" = field(default_factory=OrderedDict)  # the fast path's entries (:mod:`.engine`)
     send_buffers: dict[torch.device, Tensor] = field(default_factory=dict)
-    side: ProcessGroup | None = None  # the gloo group of the same ranks (the Join worker), once made
+    side: ProcessGroup | None = None  # the gloo group of the same ranks (the Join worker, compute_async), once made
+    broken: BaseException | None = None  # a pending sync here failed, leaving a collective pending (:mod:`.deferred`)
+    held: bool = False  # a join drives this (side) group: compute_async computes at once (:mod:`.deferred`)
 
     @property
     def pg(self) -> ProcessGroup:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch import Tensor
 
 from torchmetrics_varlen._sync import record as _protocol
 from torchmetrics_varlen._sync.mismatch import check_headers
@@ -48,16 +49,22 @@ Array = npt.NDArray[Any]
 
 
 class Accumulator:
-    """One rank's per-key float64 accumulators since the last reset: keys in the order they were first updated."""
+    """One rank's per-key float64 accumulators since the last reset: keys in the order they were first updated.
+
+    Updates of numbers accumulate here, on the host; updates with tensors in :attr:`devices`, on the device of their
+    first tensor (:class:`Sums`): :meth:`read` copies both, and :meth:`Reading.folded` combines them by each key's
+    reduction, so a key updated in both places sums each place's part in update order, then the parts.
+    """
 
     def __init__(self) -> None:
         self.index: dict[str, int] = {}
         self.codes = np.zeros(0, dtype=np.int64)
         self.first = np.zeros(0)  # Σ w·v (mean), Σ v (sum), the max or the min
         self.weight = np.zeros(0)  # Σ w (mean only)
+        self.devices: dict[torch.device, Sums] = {}
 
-    def add(self, keys: Sequence[str], codes: Sequence[int], values: Array, weights: Array) -> None:
-        """Add one update: ``values`` and ``weights`` (float64, NaN already handled) of distinct ``keys``."""
+    def register(self, keys: Sequence[str], codes: Sequence[int]) -> Array:
+        """The positions of ``keys``, new ones appended (at their reduction's identity)."""
         fresh = [(key, code) for key, code in zip(keys, codes) if key not in self.index]
         if fresh:  # one concatenation per update, however many keys are new
             for key, _ in fresh:
@@ -66,7 +73,11 @@ class Accumulator:
             self.codes = np.concatenate([self.codes, new_codes])
             self.first = np.concatenate([self.first, FIRST[new_codes]])
             self.weight = np.concatenate([self.weight, np.zeros(len(fresh))])
-        at = np.fromiter((self.index[key] for key in keys), dtype=np.int64, count=len(keys))
+        return np.fromiter((self.index[key] for key in keys), dtype=np.int64, count=len(keys))
+
+    def add(self, keys: Sequence[str], codes: Sequence[int], values: Array, weights: Array) -> None:
+        """Add one update: ``values`` and ``weights`` (float64, NaN already handled) of distinct ``keys``."""
+        at = self.register(keys, codes)
         kinds = self.codes[at]
         for reduction in (MEAN, SUM, MAX, MIN):
             mask = kinds == reduction
@@ -78,6 +89,133 @@ class Accumulator:
             else:  # NaN propagates, as torch.max and torch.min do
                 self.first[rows] = np.maximum(old, v) if reduction == MAX else np.minimum(old, v)
         self.weight[at[kinds == MEAN]] += weights[kinds == MEAN]
+
+    def add_tensor(
+        self, keys: Sequence[str], codes: Sequence[int], values: Tensor, weights: Tensor, nan_strategy: Any
+    ) -> list[str]:
+        """Add one update held in float64 tensors on one device, there; with ``"error"``, the keys with NaN instead."""
+        sums = self.devices.get(values.device)
+        if sums is None:
+            sums = self.devices[values.device] = Sums(values.device)
+        nan = sums.add(tuple(keys), codes, values, weights, nan_strategy)
+        if not nan:
+            self.register(keys, codes)
+        return nan
+
+    def merge(self, keys: Sequence[str], first: Array, weight: Array) -> None:
+        """Combine another part of these keys' words (a device's sums) into this one, by each key's reduction."""
+        at = np.fromiter((self.index[key] for key in keys), dtype=np.int64, count=len(keys))
+        kinds, old = self.codes[at], self.first[at]
+        with np.errstate(invalid="ignore"):  # the branch not taken may be inf - inf
+            summed = old + first
+        self.first[at] = np.where(
+            kinds == MAX, np.maximum(old, first), np.where(kinds == MIN, np.minimum(old, first), summed)
+        )
+        self.weight[at] += weight
+
+    def read(self) -> "Reading":
+        """A copy of every accumulator: the device parts copied to pinned host memory without blocking (events)."""
+        host = Accumulator()
+        host.index, host.codes, host.first, host.weight = (
+            dict(self.index),
+            self.codes,
+            self.first.copy(),
+            self.weight.copy(),
+        )
+        parts: list[tuple[list[str], Tensor]] = []
+        events: list[Any] = []
+        for sums in self.devices.values():
+            data = torch.cat([sums.first, sums.weight, sums.nan.to(torch.float64)])  # a copy: updates may go on
+            if data.device.type != "cpu":
+                pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                pinned.copy_(data, non_blocking=True)
+                events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
+                events[-1].record(torch.cuda.current_stream(data.device))
+                data = pinned
+            parts.append((list(sums.index), data))
+        return Reading(host, parts, events)
+
+
+@dataclass
+class Reading:
+    """What :meth:`Accumulator.read` copied: the host's part, each device's (keys, then their words and NaN flags)."""
+
+    host: Accumulator
+    parts: list[tuple[list[str], Tensor]]
+    events: list[Any]  # the device copies' completion, waited for before :meth:`folded` reads them
+
+    def folded(self) -> tuple[Accumulator, list[str]]:
+        """The accumulators with every device's part combined in, and the keys whose tensor updates carried NaN."""
+        for event in self.events:
+            event.synchronize()  # returns at once where the worker polled it already
+        nan: list[str] = []
+        for keys, data in self.parts:
+            words, count = data.numpy(), len(keys)
+            self.host.merge(keys, words[:count], words[count : 2 * count])
+            nan += [key for key, flag in zip(keys, words[2 * count :].tolist()) if flag]
+        self.parts = []
+        return self.host, nan
+
+
+class Sums:
+    """One device's per-key float64 words of the tensor updates (as in :class:`Accumulator`), and where NaN came.
+
+    An update is a handful of device operations whatever its number of keys: the keys' positions, reduction codes and
+    identities go to the device once per set of keys (from pinned memory, without blocking), then gather, combine,
+    scatter. Nothing is read on the host, except with ``nan_strategy="error"``, which must raise at the update.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index: dict[str, int] = {}
+        self.first = torch.zeros(0, dtype=torch.float64, device=device)
+        self.weight = torch.zeros(0, dtype=torch.float64, device=device)
+        self.nan = torch.zeros(0, dtype=torch.bool, device=device)
+        self._plans: dict[tuple[str, ...], tuple[Tensor, Tensor, Tensor]] = {}
+
+    def _plan(self, keys: tuple[str, ...], codes: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+        found = self._plans.get(keys)
+        if found is None:
+            fresh = [key for key in keys if key not in self.index]
+            for key in fresh:
+                self.index[key] = len(self.index)
+            kinds = np.asarray(codes, dtype=np.int64)
+            new = np.asarray([code for key, code in zip(keys, codes) if key in fresh], dtype=np.int64)
+            at = np.fromiter((self.index[key] for key in keys), dtype=np.int64, count=len(keys))
+            words = torch.from_numpy(
+                np.concatenate([at, kinds, FIRST[kinds].view(np.int64), FIRST[new].view(np.int64)])
+            )
+            if self.device.type != "cpu":
+                words = words.pin_memory().to(self.device, non_blocking=True)
+            n = len(keys)
+            found = self._plans[keys] = (words[:n], words[n : 2 * n], words[2 * n : 3 * n].view(torch.float64))
+            if fresh:
+                self.first = torch.cat([self.first, words[3 * n :].view(torch.float64)])
+                self.weight = torch.cat([self.weight, torch.zeros(len(fresh), dtype=torch.float64, device=self.device)])
+                self.nan = torch.cat([self.nan, torch.zeros(len(fresh), dtype=torch.bool, device=self.device)])
+        return found
+
+    def add(self, keys: tuple[str, ...], codes: Sequence[int], v: Tensor, w: Tensor, nan_strategy: Any) -> list[str]:
+        """Add one update (NaN handled as torchmetrics' aggregators do); with ``"error"``, the keys with NaN instead."""
+        if nan_strategy == "error":  # before anything changes; the one read on the host
+            v_nan, w_nan = torch.stack([v.isnan(), w.isnan()]).tolist()
+            named = [key for key, code, a, b in zip(keys, codes, v_nan, w_nan) if a or (b and code == MEAN)]
+            if named:
+                return named
+        at, kinds, identity = self._plan(keys, codes)
+        mean = kinds == MEAN
+        nans = v.isnan() | (mean & w.isnan())
+        if isinstance(nan_strategy, float):
+            v, w = torch.where(nans, nan_strategy, v), torch.where(nans, 1.0, w)
+        elif nan_strategy != "disable":  # dropped: the key still counts as updated, with its reduction's identity
+            v, w = torch.where(nans, identity, v), torch.where(nans, 0.0, w)
+        old = self.first[at]
+        summed = old + torch.where(mean, w * v, v)
+        low = torch.where(kinds == MIN, torch.minimum(old, v), summed)
+        self.first[at] = torch.where(kinds == MAX, torch.maximum(old, v), low)  # NaN propagates, as in torch.max
+        self.weight[at] = self.weight[at] + torch.where(mean, w, 0.0)
+        self.nan[at] = self.nan[at] | nans
+        return []
 
 
 @dataclass

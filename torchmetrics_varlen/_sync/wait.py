@@ -298,6 +298,7 @@ class Notes:
         self._listed: list[Any] = []  # the stores this process created its note keys in
         self._armed: list[tuple[Any, int, str]] = []  # (store, global rank, generation) to write an exit note to
         self.last_wait = float("-inf")  # time.monotonic() when the last wait of this process returned
+        self.before_exit: Callable[[], None] | None = None  # the pending syncs' bounded wait (:mod:`.deferred`)
 
     def store(self) -> Any:
         """A clone of the default group's store whose reads wait at most ``STORE_ANSWER`` s; None where unreachable."""
@@ -396,6 +397,8 @@ class Notes:
         return found
 
     def _at_exit(self) -> None:
+        if self.before_exit is not None:
+            self.before_exit()
         left = self.last_wait + GRACE - time.monotonic()
         if left > 0:  # a wait returned just now: let the backend's threads let go of its work first
             time.sleep(left)
