@@ -301,6 +301,22 @@ def test_a_state_that_does_not_fit_raises_on_every_rank_and_loads_nothing(case, 
     assert any(__import__("re").search(message, error) for error in errors), errors
 
 
+def body_synced(rank, world_size):
+    metric = tv.rebase(SumMetric)()
+    metric.update(torch.tensor(float(rank + 1)))
+    with metric.sync_context():  # every rank holds the global sum: saving it now would count it twice
+        try:
+            tv.merged_state_dict(metric)
+        except MergedStateError as err:
+            return str(err)
+    return None
+
+
+def test_a_synced_metric_is_refused_on_every_rank():
+    errors = run_distributed(body_synced, 2, deadline=60)
+    assert all(error is not None and "it is synced" in error for error in errors), errors
+
+
 # --------------------------------------------------------------------------------------- what stock does
 def _stock_pair():
     return SumMetric(), CatMetric()
@@ -375,3 +391,25 @@ def test_what_stock_torchmetrics_does_across_a_new_world_size(tmp_path, how):
     for world_size, expected in STOCK_TABLE[how].items():
         results = run_distributed(body_stock_load, world_size, directory, how, deadline=120)
         assert results == [expected] * world_size, (how, world_size, results)
+
+
+# ----------------------------------------------------------------------------------------------------- the example
+def test_the_docs_example_resumes_on_another_number_of_processes(tmp_path):
+    """``examples/checkpoint_resume.py`` (shown by the docs page): saved on 2 processes, resumed on 3."""
+    import ast
+
+    from _helpers import run_torchrun
+
+    outputs = []
+    for phase, processes in (("save", 2), ("resume", 3)):
+        returncode, stdout, stderr = run_torchrun(
+            ["examples/checkpoint_resume.py", phase, str(tmp_path)], 240, nproc=processes
+        )
+        assert returncode == 0, f"{phase}: exit {returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+        outputs.append(stdout)
+    lines = dict(line.split(": ", 1) for line in outputs[1].splitlines() if ": {" in line)
+    resumed, truth = (
+        ast.literal_eval(lines["resumed on 3 processes"]),
+        ast.literal_eval(lines["one process on all 100 samples"]),
+    )
+    assert resumed == truth and set(resumed) == {"acc", "auroc"}

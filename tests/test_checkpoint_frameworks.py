@@ -113,7 +113,7 @@ def body_lightning(rank, world_size, directory, resume, with_callback):
     return {"seen": model.seen_at_stop if not resume else model.seen, "logged": logged}
 
 
-pytest.importorskip("lightning", reason="lightning is not installed (pip install 'torchmetrics-varlen[lightning]')")
+needs_lightning = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,7 @@ def lightning_checkpoint(tmp_path_factory):
     return directory, [i for result in saved for i in result["seen"]]
 
 
+@needs_lightning
 def test_lightning_mid_epoch_checkpoint_on_2_resumed_on_3_is_exact(lightning_checkpoint):
     from conftest import run_distributed
     from test_lightning import LIGHTNING_POOL
@@ -141,6 +142,7 @@ def test_lightning_mid_epoch_checkpoint_on_2_resumed_on_3_is_exact(lightning_che
         assert result["logged"] == pytest.approx(expected, abs=1e-6), (rank, result["logged"], expected)
 
 
+@needs_lightning
 def test_lightning_without_the_callback_loses_the_partial_epoch(lightning_checkpoint):
     from conftest import run_distributed
     from test_lightning import LIGHTNING_POOL
@@ -152,6 +154,62 @@ def test_lightning_without_the_callback_loses_the_partial_epoch(lightning_checkp
     assert lost != pytest.approx(_expected(before + after), abs=1e-6)  # the control can tell them apart
     for result in resumed:
         assert result["logged"] == pytest.approx(lost, abs=1e-6)
+
+
+def _module_class():
+    import lightning.pytorch as pl
+    from torchmetrics.aggregation import CatMetric, SumMetric
+
+    import torchmetrics_varlen as tv
+
+    class MeanState(tv.Metric):
+        def __init__(self):
+            super().__init__()
+            self.add_state("avg", default=torch.tensor(0.0), dist_reduce_fx="mean")
+
+        def update(self, x):
+            self.avg = x.mean()
+
+        def compute(self):
+            return self.avg
+
+    class Module(pl.LightningModule):
+        def __init__(self, mean=False):
+            super().__init__()
+            self.head = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            self.total = SumMetric()
+            self.indexed = tv.IndexedMetric(CatMetric())  # its template is inside it, not a metric of the module
+            self.col = tv.MetricCollection({"a": SumMetric(), "b": CatMetric()})
+            if mean:
+                self.avg = MeanState()
+
+    return Module
+
+
+@needs_lightning
+def test_metric_checkpoint_finds_each_metric_once_and_refuses_what_cannot_be_merged():
+    from torchmetrics_varlen import MergedStateError
+    from torchmetrics_varlen.lightning import CHECKPOINT_KEY, MetricCheckpoint, module_metrics
+
+    Module = _module_class()  # noqa: N806
+    assert list(module_metrics(Module())) == ["total", "indexed", "col"]
+    with pytest.raises(MergedStateError, match="dist_reduce_fx='mean'"):
+        MetricCheckpoint().setup(None, Module(mean=True), "fit")
+
+    module = Module()
+    module.total.update(torch.tensor(4.0))
+    checkpoint = {}
+    MetricCheckpoint().on_save_checkpoint(None, module, checkpoint)
+    assert checkpoint[CHECKPOINT_KEY]["members"]["total"]["states"]["sum_value"].item() == 4.0
+    resumed = Module()
+    MetricCheckpoint().on_load_checkpoint(None, resumed, checkpoint)
+    assert resumed.total.compute().item() == 4.0 and resumed.total._update_count == 1
+    with pytest.raises(MergedStateError, match=r"holds none .* MetricCheckpoint\(strict=False\)"):
+        MetricCheckpoint().on_load_checkpoint(None, Module(), {})
+    kept = Module()
+    kept.total.update(torch.tensor(1.0))
+    MetricCheckpoint(strict=False).on_load_checkpoint(None, kept, {})
+    assert kept.total._update_count == 0  # started from its defaults
 
 
 # --------------------------------------------------------------------------------------------------- Accelerate

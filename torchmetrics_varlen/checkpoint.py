@@ -405,8 +405,9 @@ def merged_state_dict(metric_or_collection: Any) -> dict[str, Any]:
             mapping from names to either.
 
     Returns:
-        ``{"header": {...}, "states": {...}, "update_count": n}`` for a metric; ``{"header": ..., "members": {name:
-        {...}}}`` for a collection. Tensors stay on the metrics' device.
+        ``{"header": ..., "states": ..., "update_count": n}`` for a metric, with ``"children"`` for a wrapper's
+        metrics; ``{"header": ..., "members": ...}`` for a collection or a mapping, one such dict per member. Tensors
+        stay on the metrics' device.
 
     Raises:
         MergedStateError: a state cannot be merged (``dist_reduce_fx="mean"``, a custom function, a tensor state
