@@ -244,7 +244,7 @@ def run_torchrun(args, timeout, nproc=2, **env_overrides):
     # The script's own folder heads its sys.path, not the working directory: the repository root goes on
     # PYTHONPATH, so that the workers import this checkout's package, not another installed copy.
     path = os.pathsep.join(part for part in (root, os.environ.get("PYTHONPATH", "")) if part)
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=path, **env_overrides)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path, **env_overrides}
     proc = subprocess.Popen(
         [*command, str(nproc), *args],
         cwd=Path(__file__).resolve().parents[1],
