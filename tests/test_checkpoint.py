@@ -334,6 +334,8 @@ def body_stock_save(rank, world_size, directory, how):
     rows.update(torch.ones(rank + 1))
     if how in ("dcp", "dcp_fresh"):
         dcp.save({"total": total, "rows": rows}, checkpoint_id=directory)
+    elif how == "sharded":
+        dcp.save({"metrics": tv.ShardedState({"total": total, "rows": rows})}, checkpoint_id=directory)
     elif how == "merged":
         state = {"total": tv.merged_state_dict(total), "rows": tv.merged_state_dict(rows)}
         if rank == 0:
@@ -357,7 +359,10 @@ def body_stock_load(rank, world_size, directory, how):
             dcp.load({"total": total, "rows": rows}, checkpoint_id=directory)
         except (Exception, CheckpointException) as err:
             return "raised", "Missing key in checkpoint state_dict: rows.value." in str(err)
-    if how == "dcp":
+    if how == "sharded":
+        state = {"metrics": tv.ShardedState({"total": total, "rows": rows})}
+        dcp.load(state, checkpoint_id=directory, planner=tv.sharded_load_planner())
+    elif how == "dcp":
         # DCP loads a list state item by item, into items of the saved sizes: shaped as the checkpoint says
         saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
         rows.value = [torch.empty(saved[key].size) for key in sorted(saved) if key.startswith("rows.value.")]
@@ -381,6 +386,7 @@ STOCK_TABLE = {
     "dcp": {1: (1.0, 2), 2: (2.0, 4), 3: (3.0, 6)},  # one rank's copy per key (rank 0's sum, rank 1's rows)
     "dcp_fresh": {w: ("raised", True) for w in (1, 2, 3)},  # into a fresh CatMetric: "Missing key"
     "merged": {1: (3.0, 3), 2: (3.0, 3), 3: (3.0, 3)},  # the fix
+    "sharded": {1: (3.0, 3), 2: (3.0, 3), 3: (3.0, 3)},  # the fix, through DCP
 }
 
 

@@ -871,7 +871,8 @@ class ShardedState:
     first rank of the metrics' group read every chunk, the others none; ``load_state_dict`` then checks the header
     and the chunks on every rank (another class, other states, a missing shard raise `MergedStateError` on every
     rank, nothing loaded), and the first rank takes the global state as :func:`load_merged_state_dict` gives it, the
-    others their defaults.
+    others their defaults. Loaded without that planner, DCP's default one raises on every rank, saying to pass it,
+    before anything is read.
 
     Works with DCP on torch 2.13 and newer, through the ``__create_write_items__`` / ``__get_tensor_shard__`` protocol
     that DCP's default planners ask of a tensor (DTensor's own). torch 2.15's ``CheckpointableTensor`` describes the
