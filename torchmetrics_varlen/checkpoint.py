@@ -546,8 +546,9 @@ def _check_bodies(obj: Any, state: Mapping[str, Any], where: str) -> str | None:
     """Check the saved values against the object (types, shapes of reduced states, a ScalarLog's reductions)."""
     try:
         _check_body(obj, state, where)
-    except (KeyError, TypeError, ValueError) as err:  # a hand-edited or truncated state
-        return f"Expected the saved state of {where} to hold what its header lists but {err}"
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:  # a hand-edited or truncated state
+        missing = f"it has no {err}" if isinstance(err, KeyError) else str(err)
+        return f"Expected the saved state of {where} to hold what its header lists but {missing}."
     return None
 
 
@@ -562,11 +563,12 @@ def _check_body(obj: Any, body: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where} has update count {count!r}")
     for name in obj._defaults:
         value, default = states[name], obj._defaults[name]
-        if isinstance(default, Tensor) and obj._reductions[name] is not dim_zero_cat:
-            if not isinstance(value, Tensor) or value.shape != default.shape:
-                shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(f"state `{name}` of {where} is saved with shape {shape}, not {tuple(default.shape)}")
-        elif not isinstance(value, (Tensor, list)):
+        if isinstance(default, Tensor) and not isinstance(value, Tensor):
+            raise ValueError(f"state `{name}` of {where} is a {type(value).__name__}, not a tensor")
+        if isinstance(default, Tensor) and obj._reductions[name] is not dim_zero_cat and value.shape != default.shape:
+            shape = tuple(value.shape)
+            raise ValueError(f"state `{name}` of {where} is saved with shape {shape}, not {tuple(default.shape)}")
+        if not isinstance(value, (Tensor, list)):
             raise ValueError(f"state `{name}` of {where} is a {type(value).__name__}, not a tensor or a list")
     if isinstance(obj, ScalarLog):
         scalars = states[_SCALARS]
@@ -997,7 +999,7 @@ class ShardedState:
                 _check_body(self.metrics, body, where)
         except MergedStateError as err:
             problem = str(err)
-        except (KeyError, TypeError, ValueError) as err:  # a header or share that is not what it should be
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as err:  # not what it should be
             problem = f"Expected the saved shares of {where} to be what their header lists but got {err!r}."
         except Exception as err:  # a pickled share that does not load
             problem = f"Expected the saved shares of {where} to load but got {type(err).__name__}: {err}"
