@@ -240,7 +240,11 @@ def run_torchrun(args, timeout, nproc=2, **env_overrides):
     import pytest
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node"]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", **env_overrides)
+    root = str(Path(__file__).resolve().parents[1])
+    # The script's own folder heads its sys.path, not the working directory: the repository root goes on
+    # PYTHONPATH, so that the workers import this checkout's package, not another installed copy.
+    path = os.pathsep.join(part for part in (root, os.environ.get("PYTHONPATH", "")) if part)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": path, **env_overrides}
     proc = subprocess.Popen(
         [*command, str(nproc), *args],
         cwd=Path(__file__).resolve().parents[1],

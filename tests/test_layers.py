@@ -55,6 +55,7 @@ LAYERS = [
     "join",
     "losses",
     "mesh",
+    "checkpoint",
     "lightning",
     "",  # the package's __init__
 ]

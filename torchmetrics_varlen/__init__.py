@@ -1,5 +1,13 @@
 """torchmetrics-varlen: exact, hang-free, differentiable distributed TorchMetrics on uneven data."""
 
+from torchmetrics_varlen.checkpoint import (
+    MergedState,
+    MergedStateError,
+    ShardedState,
+    load_merged_state_dict,
+    merged_state_dict,
+    sharded_load_planner,
+)
 from torchmetrics_varlen.collection import MetricCollection
 from torchmetrics_varlen.errors import SyncError, SyncMemoryError, SyncMismatchError, SyncPeerError, SyncTimeoutError
 from torchmetrics_varlen.gather import gather_all_tensors
@@ -16,9 +24,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IndexedMetric",
+    "MergedState",
+    "MergedStateError",
     "Metric",
     "MetricCollection",
     "ScalarLog",
+    "ShardedState",
     "SoftF1Loss",
     "SyncError",
     "SyncMemoryError",
@@ -30,7 +41,10 @@ __all__ = [
     "compute_on_rank",
     "gather_all_tensors",
     "join",
+    "load_merged_state_dict",
+    "merged_state_dict",
     "mesh_group",
     "rebase",
+    "sharded_load_planner",
     "sync_scalars",
 ]

@@ -9,9 +9,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torchmetrics import Metric as StockMetric
+from torchmetrics import MetricCollection as StockMetricCollection
 
 from torchmetrics_varlen._sync.group import link
 from torchmetrics_varlen._sync.move import agree
+from torchmetrics_varlen.checkpoint import MergedState, MergedStateError
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 from torchmetrics_varlen.scalars import ScalarLog
 
@@ -25,7 +28,7 @@ except ImportError:  # the package imports without Lightning; the callback says 
 else:
     _LIGHTNING_ERROR = None
 
-__all__ = ["AsyncScalars", "ExactEvaluation", "UnevenStepsError"]
+__all__ = ["AsyncScalars", "ExactEvaluation", "MetricCheckpoint", "UnevenStepsError"]
 
 # Strategy methods that are collectives: inside an evaluation step with uneven per-rank step counts each one would
 # wait forever on the ranks that still have batches (the others have left the loop).
@@ -303,3 +306,85 @@ class AsyncScalars(Callback):  # type: ignore[misc,valid-type]
             values = {key: value for future in pending for key, value in future.result().items()}
             for _, write in self._writers:
                 write(values, step)
+
+
+# ------------------------------------------------------------------------------------------------------ checkpoints
+CHECKPOINT_KEY = "torchmetrics_varlen_metrics"
+
+
+def module_metrics(module: Any) -> dict[str, Any]:
+    """The metrics and collections of a module by attribute path, each once (not those inside another metric)."""
+    found: dict[str, Any] = {}
+    for name, child in module.named_modules():
+        if isinstance(child, (StockMetric, StockMetricCollection)) and not any(
+            name.startswith(f"{outer}.") for outer in found
+        ):
+            found[name] = child
+    return found
+
+
+class MetricCheckpoint(Callback):  # type: ignore[misc,valid-type]
+    """Make the metrics of a LightningModule survive ``Trainer.fit(ckpt_path=...)`` on another number of processes.
+
+    Add it to the trainer, ``Trainer(callbacks=[MetricCheckpoint()])``, and change nothing else. Every checkpoint the
+    trainer writes (``ModelCheckpoint``, ``trainer.save_checkpoint``, mid-epoch ones included) then holds the global
+    state of every metric and ``MetricCollection`` of the LightningModule, as one process that saw every rank's
+    updates would hold it (:func:`~torchmetrics_varlen.merged_state_dict`, one sync for all of them, on every rank
+    while Lightning builds the checkpoint; rank 0 writes it). Resuming with ``ckpt_path`` on any number of processes
+    gives it back exactly: the first rank holds the global state, the others start from their defaults
+    (:func:`~torchmetrics_varlen.load_merged_state_dict`), so the epoch's metric equals one process on all the data
+    seen before and after the resume. Without the callback Lightning writes rank 0's states (or none: states are not
+    persistent by default) and each new rank reloads them: the partial epoch is lost or counted once per rank.
+
+    States that cannot be merged (``dist_reduce_fx="mean"``, custom functions) are refused with
+    :class:`~torchmetrics_varlen.MergedStateError` when the trainer sets up, on every rank. The metrics must keep
+    their attribute names between the runs.
+
+    Args:
+        strict: a checkpoint without the metrics' states (written without this callback, or ``weights_only``) raises
+            :class:`~torchmetrics_varlen.MergedStateError`; with ``strict=False`` the metrics start from their
+            defaults instead.
+
+    Raises:
+        ModuleNotFoundError: Lightning is not installed.
+
+    Example:
+        >>> from lightning.pytorch import Trainer
+        >>> from torchmetrics_varlen.lightning import MetricCheckpoint
+        >>> trainer = Trainer(accelerator="cpu", devices=1, callbacks=[MetricCheckpoint()], logger=False,
+        ...                   enable_progress_bar=False, enable_model_summary=False)
+        >>> any(isinstance(callback, MetricCheckpoint) for callback in trainer.callbacks)
+        True
+    """
+
+    def __init__(self, strict: bool = True) -> None:
+        if _LIGHTNING_ERROR is not None:
+            raise ModuleNotFoundError(_LIGHTNING_ERROR)
+        if not isinstance(strict, bool):
+            raise ValueError(f"Expected `strict` to be a bool but got {strict!r}")
+        super().__init__()
+        self.strict = strict
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Refuse, before training, metrics whose states cannot be merged."""
+        MergedState(module_metrics(pl_module))
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Add the metrics' global state to the checkpoint (every rank takes part; rank 0 writes it)."""
+        checkpoint[CHECKPOINT_KEY] = MergedState(module_metrics(pl_module)).state_dict()
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Give the first rank the metrics' global state and the others their defaults (every rank takes part)."""
+        state = checkpoint.get(CHECKPOINT_KEY)
+        metrics = module_metrics(pl_module)
+        if state is None:
+            if self.strict:
+                raise MergedStateError(
+                    "Expected the checkpoint to hold the metrics' states written by MetricCheckpoint but it holds none"
+                    " (written without the callback, or with weights_only=True). Pass MetricCheckpoint(strict=False)"
+                    " to start the metrics from their defaults."
+                )
+            for metric in metrics.values():
+                metric.reset()
+            return
+        MergedState(metrics).load_state_dict(state)
