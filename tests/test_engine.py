@@ -515,3 +515,31 @@ def test_inline_results_are_every_ranks_states_stacked(dtypes):
     for index, result in enumerate(results):
         expected = torch.stack([entries[index] for entries in ranks])
         assert result.tensor.dtype == expected.dtype and torch.equal(result.tensor, expected), (index, result)
+
+
+# ------------------------------------------------------------------- an agreement beside another sync (issue 45)
+def body_agreement_beside_a_sync(rank, world_size, which):
+    """Rank 0 runs a standalone agreement (a checkpoint's load check) while the others sync a metric."""
+    from torchmetrics_varlen import SyncMismatchError
+    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen._sync.group import link
+
+    metric = rebase(BinaryAccuracy)()
+    metric.update(torch.tensor([0.9, 0.2]), torch.tensor([1, 0]))
+    try:
+        if rank == 0:
+            sync_link = link(None, torch.device("cpu"), 30, "test")
+            engine.agree([1, 2, 3][:which], sync_link, "a load check")
+        else:
+            metric.compute()
+    except SyncMismatchError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("which", [1, 3])
+def test_an_agreement_beside_another_sync_is_a_named_error_on_every_rank(which):
+    # A bare all-gather of a few words beside a sync's record exchange made gloo abort the process ("Received data
+    # size doesn't match expected size"): an agreement outside a sync travels as a record, so every rank raises.
+    for rank, message in enumerate(run_distributed(body_agreement_beside_a_sync, 2, which, fresh=True, deadline=60)):
+        assert message is not None and "different things" in message, (rank, message)

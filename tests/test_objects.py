@@ -8,6 +8,7 @@ from _helpers import count_collectives, split
 from conftest import run_distributed
 from torchmetrics.utilities import dim_zero_cat
 
+import torchmetrics_varlen as tv
 from torchmetrics_varlen import Metric, SyncMismatchError, compute_on_rank
 
 
@@ -246,3 +247,31 @@ def body_gpu_check_scenario(rank, world_size):
 def test_the_gpu_check_object_scenario_on_cpu(world_size):
     for detail in run_distributed(body_gpu_check_scenario, world_size):
         assert "object list states" in detail
+
+
+# ------------------------------------------------------- synced states save as stock's do (issue 45's finding)
+def body_synced_states_save(rank, world_size):
+    import io
+
+    from torchmetrics.retrieval import RetrievalMAP
+
+    metric = tv.rebase(RetrievalMAP)()
+    metric.update(torch.rand(2 + rank), torch.arange(2 + rank) % 2, indexes=torch.tensor([rank] * (2 + rank)))
+    with metric.sync_context():
+        states = {"preds": metric.preds, "target": metric.target, "indexes": metric.indexes}
+        torch.save(states, io.BytesIO())  # refused when the items viewed one buffer as several dtypes
+        held = max(item.untyped_storage().nbytes() for items in states.values() for item in items)
+        own = max(sum(item.nbytes for item in items) for items in states.values())
+        saved = {name: [item.clone() for item in items] for name, items in states.items()}
+    return saved, held <= own
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_synced_list_states_save_and_hold_only_their_own_memory(world_size):
+    results = run_distributed(body_synced_states_save, world_size)
+    for saved, held in results:
+        assert held  # no item keeps a larger receive buffer alive
+        assert [len(items) for items in saved.values()] == [world_size] * 3  # one item per rank's update
+        for name in saved:  # the same items on every rank
+            for item, first in zip(saved[name], results[0][0][name], strict=True):
+                assert torch.equal(item, first)

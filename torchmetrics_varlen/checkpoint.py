@@ -40,8 +40,8 @@ from torchmetrics import MetricCollection as StockMetricCollection
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
 from torchmetrics_varlen._sync import scalar_codec as _rec
+from torchmetrics_varlen._sync.engine import agree
 from torchmetrics_varlen._sync.group import Link, link, resolve_timeout
-from torchmetrics_varlen._sync.move import agree
 from torchmetrics_varlen._sync.states import metrics_device, sync_states
 from torchmetrics_varlen.scalars import ScalarLog
 
@@ -218,7 +218,7 @@ def _link(leaves: Sequence[_Leaf], where: str) -> Link | None:
 # The one place that reads and writes a ScalarLog's accumulators (they live outside torchmetrics' states).
 def _read_scalars(log: ScalarLog) -> tuple[list[str], Tensor, Tensor, Tensor]:
     """A ScalarLog's accumulators as (keys, codes, first words, weights), CPU tensors that share nothing with it."""
-    acc = log._acc
+    acc = log._read(log._acc.read())  # the host's part and every device's, folded
     return (
         list(acc.index),
         torch.tensor(np.asarray(acc.codes, dtype=np.int64)),
@@ -239,7 +239,7 @@ def _write_scalars(log: ScalarLog, scalars: Mapping[str, Any]) -> None:
 
 def _scalar_codes(log: ScalarLog, keys: Sequence[str]) -> list[int]:
     """The reduction code the log gives each key (its ``reduce=``)."""
-    return [log._code(key) for key in keys]
+    return log._codes(list(keys))
 
 
 def _merge_scalars(keys: Sequence[str], codes: Tensor, first: Tensor, weight: Tensor, where: str) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
+from torchmetrics_varlen._sync.engine import agree
 from torchmetrics_varlen._sync.group import link
-from torchmetrics_varlen._sync.move import agree
 from torchmetrics_varlen.checkpoint import MergedState, MergedStateError
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 from torchmetrics_varlen.scalars import ScalarLog

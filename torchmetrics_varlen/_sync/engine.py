@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen._sync import comm, grad, move, record, unpack, wait
+from torchmetrics_varlen._sync import comm, grad, mismatch, move, record, unpack, wait
 from torchmetrics_varlen._sync.group import (
     REGISTRY,
     Link,
@@ -372,6 +372,27 @@ def exchange(words: list[int], link: Link, decode: Callable[[Any], tuple[Any, in
     return result
 
 
+AGREE = record.context_hash("torchmetrics_varlen.agree")
+
+
+def agree(words: Sequence[int], link: Link, what: str) -> list[list[int]]:
+    """Small integers every rank brings, as many on each (``what`` names them): every rank's, in one exchange.
+
+    An agreement outside a sync travels as a record (a header, then the words): a peer at another sync at that point
+    meets it in the same exchange, and every rank raises ``SyncMismatchError`` (a bare all-gather of another size
+    would abort the process on gloo). Inside a sync, where every rank already agreed on what runs, ``move.agree``
+    sends the words alone.
+    """
+    count = len(words)
+    head = record.header(AGREE ^ count, what, 0, 0, record.HEADER_LEN + count, sent_cap(None))  # no entries
+
+    def decode(table: Any) -> tuple[list[list[int]], int]:
+        mismatch.check_headers(torch.from_numpy(table[:, : record.HEADER_LEN].copy()), f"{link.what} ({what})")
+        return table[:, record.HEADER_LEN : record.HEADER_LEN + count].tolist(), len(head) + count
+
+    return exchange([*head, *words], link, decode)  # type: ignore[no-any-return]
+
+
 def side_link(of: Link, timeout: float | None) -> Link:
     """A link over the side group of ``of``'s group: a gloo group of the same ranks, made on first use.
 
@@ -398,7 +419,7 @@ def _side_partition(of: Link) -> list[list[int]] | None:
     assert world is not None
     mine = [min(ranks), zlib.crc32(array.array("q", ranks).tobytes())]
     partition: dict[tuple[int, int], list[int]] = {}
-    for rank, (leader, digest) in enumerate(move.agree(mine, world, "members")):
+    for rank, (leader, digest) in enumerate(agree(mine, world, "members")):
         partition.setdefault((leader, digest), []).append(rank)
     wrong = [group for (_, crc), group in partition.items() if zlib.crc32(array.array("q", group).tobytes()) != crc]
     if wrong:  # every rank sees the same table: every rank raises alike

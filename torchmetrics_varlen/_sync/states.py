@@ -358,8 +358,27 @@ def reduce_results(
         wanted = keep_graph and not isinstance(local, Ref) and (sync_layout.graph or isinstance(result, list))
         own = local if wanted else None
         empty = sync_layout.empty[position]
-        reduced.append(reduce_state(result, reduction, op, own, rank, plan, where, position, empty))
+        reduced.append(_own_storage(reduce_state(result, reduction, op, own, rank, plan, where, position, empty)))
     return reduced
+
+
+def _own_storage(value: Any) -> Any:
+    """``value`` in memory of its own where it views a larger receive buffer (per-rank and list results do).
+
+    As stock's states: ``torch.save`` refuses tensors that view one storage as several dtypes, and a view would keep
+    the whole buffer alive. A list's views are copied at once into one tensor of the list's own (it then views that).
+    """
+    if isinstance(value, Tensor):
+        return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
+    if not isinstance(value, list) or not any(
+        isinstance(item, Tensor) and item.untyped_storage().nbytes() > item.nbytes for item in value
+    ):
+        return value
+    kinds = {(item.dtype, item.device) for item in value if isinstance(item, Tensor)}
+    if len(kinds) > 1 or not all(isinstance(item, Tensor) and not item.requires_grad for item in value):
+        return [_own_storage(item) for item in value]
+    flat = torch.cat([item.reshape(-1) for item in value])
+    return [part.view(item.shape) for part, item in zip(flat.split([item.numel() for item in value]), value)]
 
 
 def _warn_mean_of_means(metrics: Sequence[StockMetric], sync_layout: Layout, plan: Plan) -> None:
