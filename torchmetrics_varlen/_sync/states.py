@@ -378,7 +378,8 @@ def _own_storage(value: Any) -> Any:
     if len(kinds) > 1 or not all(isinstance(item, Tensor) and not item.requires_grad for item in value):
         return [_own_storage(item) for item in value]
     flat = torch.cat([item.reshape(-1) for item in value])
-    return [part.view(item.shape) for part, item in zip(flat.split([item.numel() for item in value]), value)]
+    parts = torch.split(flat, [item.numel() for item in value])
+    return [part.view(item.shape) for part, item in zip(parts, value)]
 
 
 def _warn_mean_of_means(metrics: Sequence[StockMetric], sync_layout: Layout, plan: Plan) -> None:
