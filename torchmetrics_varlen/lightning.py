@@ -4,6 +4,7 @@ Import this module only where Lightning is installed (``pip install 'torchmetric
 the package never imports Lightning.
 """
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -216,13 +217,11 @@ def _unpadded_sampler(dataloader: DataLoader[Any], shuffle: bool, trainer: Any) 
 class AsyncScalars(Callback):  # type: ignore[misc,valid-type]
     """Log a LightningModule's :class:`~torchmetrics_varlen.ScalarLog` windows without waiting for the other ranks.
 
-    One line: ``Trainer(callbacks=[AsyncScalars()])``; the training steps update the module's ``ScalarLog``
-    attributes as usual (no ``compute()``, no ``self.log``). Every ``every_n_steps`` optimizer steps each log gets
-    ``compute_async()`` and ``reset()``, and its values are written to every logger of the Trainer labelled with the
-    step that produced them (the step Lightning labels that batch's own rows with), once the sync has finished: after
-    a later batch, and always before any logger writes a later step (each logger's ``log_metrics`` first writes what
-    is pending for earlier steps, waiting for it if need be: loggers such as W&B drop rows older than their current
-    step) and at the end of training. A failed sync raises its error on every rank there.
+    ``Trainer(callbacks=[AsyncScalars()])``; the training steps update the module's ``ScalarLog`` attributes as usual.
+    Every ``every_n_steps`` optimizer steps each log gets ``compute_async()`` and ``reset()``; its values go to every
+    logger of the Trainer, labelled with the step that produced them, once the sync has finished, always before any
+    logger writes a later step (loggers such as W&B drop older rows) and at the end of training, where a failed sync
+    raises its error on every rank.
 
     Args:
         names: the module's ``ScalarLog`` attributes to log (default: every ``ScalarLog`` attribute of the module).
@@ -234,8 +233,7 @@ class AsyncScalars(Callback):  # type: ignore[misc,valid-type]
     Example:
         >>> from lightning.pytorch import Trainer
         >>> from torchmetrics_varlen.lightning import AsyncScalars
-        >>> trainer = Trainer(accelerator="cpu", devices=1, callbacks=[AsyncScalars("train_scalars")], logger=False,
-        ...                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        >>> trainer = Trainer(accelerator="cpu", devices=1, callbacks=[AsyncScalars("train_scalars")], logger=False)
         >>> any(isinstance(callback, AsyncScalars) for callback in trainer.callbacks)
         True
     """
@@ -254,23 +252,18 @@ class AsyncScalars(Callback):  # type: ignore[misc,valid-type]
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Find the logs; make each logger write what is pending for earlier steps before a row of its own."""
         self.teardown(trainer, pl_module, stage)
-        named = [getattr(pl_module, name, None) for name in self.names]
-        for name, log in zip(self.names, named):
-            if not isinstance(log, ScalarLog):
+        for name in self.names:
+            if not isinstance(getattr(pl_module, name, None), ScalarLog):
                 raise ValueError(f"Expected `{name}` to be a ScalarLog attribute of {type(pl_module).__name__}")
-        self._logs = [log for log in named if isinstance(log, ScalarLog)]
+        self._logs = [getattr(pl_module, name) for name in self.names]
         self._logs = self._logs or [child for child in pl_module.children() if isinstance(child, ScalarLog)]
         for logger in trainer.loggers:
-            original = logger.log_metrics
-            self._writers.append((logger, original))
-            vars(logger)["log_metrics"] = self._ordered(original)
+            self._writers.append((logger, logger.log_metrics))
+            vars(logger)["log_metrics"] = functools.partial(self._log_metrics, logger.log_metrics)
 
-    def _ordered(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def log_metrics(metrics: Any, step: int | None = None) -> Any:
-            self._write(before=step)
-            return original(metrics, step)
-
-        return log_metrics
+    def _log_metrics(self, original: Callable[..., Any], metrics: Any, step: int | None = None) -> Any:
+        self._write(before=step)
+        return original(metrics, step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         """Write the finished windows; at the end of a window, start its syncs and reset the logs."""

@@ -44,12 +44,7 @@ def local_state_copy(metric: StockMetric) -> StateDict:
 
 
 def set_states(metric: StockMetric, states: StateDict) -> None:
-    """Write ``states`` (and the sync bookkeeping) into the metric, as ``setattr`` would, minus its per-call checks.
-
-    States are plain instance attributes (torchmetrics never registers them as buffers, nor its sync flags and
-    cache: covered by tests/test_torchmetrics_internals.py), so writing the instance dict is what
-    ``nn.Module.__setattr__`` does for them; a per-step sync writes every state twice (global, then local again).
-    """
+    """Write ``states`` (or sync flags) into the instance dict, as ``setattr`` of plain attributes, minus its checks."""
     vars(metric).update(states)
 
 
@@ -57,50 +52,31 @@ class Metric(StockMetric):
     """Base class for metrics that sync all their states at once and stay exact on uneven and empty ranks.
 
     Write a metric exactly as for :class:`torchmetrics.Metric` (``add_state``, ``update``, ``compute``) and subclass
-    this class instead. Differences from stock torchmetrics:
+    this class instead. Differences from stock torchmetrics (see the Quickstart and "How the sync works"):
 
     * **One-shot sync.** All states (tensors and lists, any dtypes, shapes and ``dist_reduce_fx``) travel in one
-      metadata exchange and one data step (all-reduce for large sums and integer maxima and minima, one gather for
-      the rest, float maxima and minima included, so that NaN and signed zeros come out as with stock;
-      nothing more for a few small states, which ride in the metadata), never a barrier. A custom ``dist_sync_fn``
-      is honoured with the stock per-state path.
-    * **Uneven and empty ranks.** ``cat`` states may differ in length on every rank and a rank may hold nothing. A
-      ``cat`` list empty on every rank comes back as ``tensor([])`` of the metric's dtype, as with stock's sync;
-      items that all have zero length keep their dtype and trailing dims.
+      metadata exchange and one data step, never a barrier. A custom ``dist_sync_fn`` takes the stock per-state path.
+    * **Uneven and empty ranks.** ``cat`` states may differ in length on every rank and a rank may hold nothing.
     * **No double sync.** ``sync()`` holds until ``unsync()``: ``compute()`` in between returns the global value with no
       further exchange, a second ``sync()`` is a no-op; ``sync_context`` restores local states even if its body raises.
-    * **Never a value from another round.** In a process group, every ``compute()`` takes part in a sync: a rank
-      whose cached result is still valid says so in its record, and when every rank's is, the records are all that
-      move (one small collective) and each rank returns its cache; otherwise every rank syncs its current states, so
-      a rank that saw no data since its last ``compute()`` still gets this round's global value. (Stock torchmetrics
-      returns a valid cache without a collective: such a rank returns the last round's value while its peers wait,
-      and their next syncs pair with the wrong rounds.) Every rank must still call ``compute()`` alike: one called
-      on rank 0 only waits for the others, and raises ``SyncTimeoutError`` naming that case.
-    * **Join.** Inside ``with torchmetrics_varlen.join(ddp_model, metric):`` (or ``join(metric)``, see
-      :func:`~torchmetrics_varlen.join`) ranks that ran out of data take part in the per-step syncs
-      (``dist_sync_on_step=True``) as ranks with an empty batch until every rank is done; a plain ``Join`` of a
-      metric raises ``TypeError`` saying to use ``torchmetrics_varlen.join``. ``dist_reduce_fx="mean"`` states would
-      count the empty ranks.
-    * **Clear failures.** Ranks syncing different metrics, layouts or phases, or holding data that cannot be combined
-      (another dtype, a ``cat`` state whose dims after the first differ), raise
-      :class:`~torchmetrics_varlen.SyncMismatchError` together, naming the state and each rank's shape and dtype;
-      a rank that never arrives makes the others raise
+    * **Never a value from another round.** In a process group every ``compute()`` takes part in a sync (only the
+      records move where every rank's cache is valid): call it on every rank alike; each gets this round's value.
+    * **Join.** Inside :func:`~torchmetrics_varlen.join` ranks that ran out of data take part in the per-step syncs as
+      ranks with an empty batch; a plain ``Join`` of a metric raises ``TypeError``.
+    * **Clear failures.** Ranks syncing different things, or data that cannot be combined, raise
+      :class:`~torchmetrics_varlen.SyncMismatchError` together; a rank that never arrives makes the others raise
       :class:`~torchmetrics_varlen.SyncTimeoutError` after ``sync_timeout`` seconds.
 
     Args:
         sync_timeout: seconds to wait for the other ranks at a sync before raising ``SyncTimeoutError``. None takes
-            ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT`` from the environment, else the process group's own timeout (the
-            ``timeout`` it was created with); never longer than that. Where a peer is known to be busy (the result
-            of ``compute_on_rank``, a ``join``'s worker waiting for the next step) the wait is the group's timeout.
-            0 sets no timer of ours: the backend's own timeout ends the wait.
+            ``TORCHMETRICS_VARLEN_SYNC_TIMEOUT``, else the process group's own timeout; never longer than that, and
+            that where a peer is known to be busy (``compute_on_rank``, a ``join``). 0: the backend's timeout only.
         sync_grads: gather states differentiably across ranks, so gradients reach every rank's inputs (see the
             "Metrics as losses" docs page). Every rank must then run the backward pass.
-        sync_cap: the most bytes one collective of a sync moves, and how large its padded gather buffer may grow
-            (an int, or a string such as ``"64MiB"``); larger transfers move in chunks and by per-rank broadcasts
-            straight into the result. None takes ``TORCHMETRICS_VARLEN_SYNC_CAP``, else 256 MiB. The ranks use the
+        sync_cap: the most bytes one collective of a sync moves (an int, or a string such as ``"64MiB"``); larger
+            transfers move in chunks. None takes ``TORCHMETRICS_VARLEN_SYNC_CAP``, else 256 MiB. The ranks use the
             smallest of theirs. See "How the sync works".
-        max_in_flight: how many :meth:`compute_async` syncs of this metric may be pending at once; the next call
-            first waits for the oldest (see "Syncs off the critical path").
+        max_in_flight: how many :meth:`compute_async` syncs may be pending at once; the next first waits for the oldest.
         kwargs: the keyword arguments of :class:`torchmetrics.Metric` (``dist_sync_on_step``, ``process_group``, ...).
 
     Example:
@@ -138,16 +114,15 @@ class Metric(StockMetric):
         self.sync_grads = sync_grads
         self.sync_timeout = resolve_timeout(sync_timeout)
         self.sync_cap = parse_cap(sync_cap, "sync_cap") if sync_cap is not None else None
-        self.max_in_flight = check_in_flight(max_in_flight)
+        self.max_in_flight = deferred.check_in_flight(max_in_flight)
         self._tv_join: Any = None  # the join whose worker shadows this metric's per-step syncs (``join``)
         self._tv_pending: deque[Future[Any]] = deque()  # this metric's pending ``compute_async`` syncs
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())
-        state["_tv_join"] = None  # a join holds a thread and a process group: a copy starts outside any join
         state.pop("_tv_classes", None)  # what the sync keeps of the class: made again where it is needed
-        state["_tv_pending"] = deque()  # futures belong to this process: a copy has none pending
-        return state
+        # A join (a thread, a process group) and futures belong to this process: a copy is outside any, none pending.
+        return {**state, "_tv_join": None, "_tv_pending": deque()}
 
     def join_hook(self, **kwargs: Any) -> Any:
         """Refuse a plain :class:`torch.distributed.algorithms.join.Join` of a metric: use :func:`~.join` instead.
@@ -162,47 +137,35 @@ class Metric(StockMetric):
             " safe order."
         )
 
-    # ----------------------------------------------------------------------------------------------------- sync
-    def _sync_phase(self) -> str:
-        # `forward` clears `_should_unsync` for its batch compute: that marks a per-step sync.
-        return "compute" if self._should_unsync else "step"
-
     def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
         if dist_sync_fn not in _OUR_GATHERS:  # see `is_coalescing_sync_fn`
             super()._sync_dist(dist_sync_fn, process_group=process_group)
             return
         attrs = vars(self)
         cached = attrs.pop("_tv_cached", False)  # set by `compute()` for its own sync (see `_wrap_compute`)
-        states = self._exchange(process_group, cached)
-        if states is None:  # every rank's cached result is valid: nothing but the records moved
-            attrs["_tv_kept_cache"] = True
-            return
-        self._apply_synced(states)
-
-    def _exchange(self, process_group: Any, cached: bool = False) -> StateDict | None:
-        group = process_group or self.process_group
-        phase = self._sync_phase()
+        phase = "compute" if self._should_unsync else "step"  # `forward` clears it for its batch compute: per step
         label = f"{type(self).__name__}.{phase}"
         if phase == "step" and self._tv_join is not None:  # inside `join`, once some rank has joined: the side group
             joined = self._tv_join.step_sync(self, label)
             if joined is not None:
-                return joined  # type: ignore[no-any-return]
-        sync_link = link(group, self.device, self.sync_timeout, f"sync of {label}")
+                set_states(self, joined)
+                return
+        sync_link = link(process_group or self.process_group, self.device, self.sync_timeout, f"sync of {label}")
         if sync_link is None:
-            return None if cached else {}
-        differentiable = self.sync_grads and torch.is_grad_enabled()
-        synced = sync_states([self], sync_link, phase=phase, label=label, differentiable=differentiable, cached=cached)
-        return None if synced is None else synced[0]
-
-    def _apply_synced(self, states: StateDict) -> None:
-        set_states(self, states)
+            synced: list[StateDict] | None = None if cached else [{}]
+        else:
+            grads = self.sync_grads and torch.is_grad_enabled()
+            synced = sync_states([self], sync_link, phase=phase, label=label, differentiable=grads, cached=cached)
+        if synced is None:  # every rank's cached result is valid: nothing but the records moved
+            attrs["_tv_kept_cache"] = True
+        else:
+            set_states(self, synced[0])
 
     def _distributed(self, distributed_available: Callable[[], bool] | None = None) -> bool:
         available = distributed_available or self.distributed_available_fn
         # torchmetrics' default asks what the registry asks first: every sync asks, so once
-        if available is not _tm_metric.jit_distributed_available and not (callable(available) and available()):
-            return False
-        return needs_sync(self.process_group)  # a group of one has nothing to sync
+        up = available is _tm_metric.jit_distributed_available or (callable(available) and available())
+        return bool(up) and needs_sync(self.process_group)  # a group of one has nothing to sync
 
     def sync(
         self,
@@ -219,14 +182,11 @@ class Metric(StockMetric):
             should_sync: when False, nothing happens.
             distributed_available: callable telling whether a process group is up.
         """
-        if not should_sync or self._is_synced:
+        if not should_sync or self._is_synced or not self._distributed(distributed_available):
             return
-        if not self._distributed(distributed_available):
-            return
-        attrs = vars(self)  # plain attributes: see `set_states`
-        attrs["_cache"] = local_state_copy(self)
+        vars(self)["_cache"] = local_state_copy(self)  # plain attributes: see `set_states`
         self._sync_dist(dist_sync_fn or self.dist_sync_fn or gather_all_tensors, process_group=process_group)
-        attrs["_is_synced"] = True
+        vars(self)["_is_synced"] = True
 
     def unsync(self, should_unsync: bool = True) -> None:
         """Restore the local states saved by :meth:`sync` so that accumulation can go on; a no-op when not synced.
@@ -236,10 +196,8 @@ class Metric(StockMetric):
         """
         if not should_unsync or not self._is_synced:
             return
-        attrs = vars(self)
         set_states(self, self._cache or {})
-        attrs["_is_synced"] = False
-        attrs["_cache"] = None
+        vars(self).update(_is_synced=False, _cache=None)
 
     @contextmanager
     def sync_context(
@@ -250,10 +208,7 @@ class Metric(StockMetric):
         should_unsync: bool = True,
         distributed_available: Callable[[], bool] | None = None,
     ) -> Generator[None, None, None]:
-        """Sync for the body of the ``with`` block, and restore local states afterwards even if the body raises.
-
-        A metric that was already synced before the block stays synced after it.
-        """
+        """Sync for the ``with`` block's body, then restore local states even if it raises (not if synced before)."""
         was_synced = self._is_synced
         self.sync(dist_sync_fn, process_group, should_sync, distributed_available)
         try:
@@ -262,12 +217,11 @@ class Metric(StockMetric):
             if not was_synced:
                 self.unsync(should_unsync=should_unsync)
 
-    # -------------------------------------------------------------------------------------------------- compute
     def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(compute)
         def wrapped_compute(*args: Any, **kwargs: Any) -> Any:
             if self._update_count == 0:  # `update_called` is deprecated in torchmetrics
-                _warn_before_update(self)
+                self._warn_before_update()
             collective = self._to_sync and not self._is_synced and self._distributed()
             cached = self._computed is not None
             if cached and not (collective and self.dist_sync_fn in _OUR_GATHERS):
@@ -299,26 +253,20 @@ class Metric(StockMetric):
         # later updates change in place). The cached object is the one returned, as with stock.
         return apply_to_collection(_squeeze_if_scalar(value), Tensor, lambda tensor: tensor.clone())
 
+    def _warn_before_update(self) -> None:
+        rank_zero_warn(
+            f"The ``compute`` method of metric {type(self).__name__} was called before the ``update`` method which may"
+            " lead to errors, as metric states have not yet been updated.",
+            UserWarning,
+        )
+
     def compute_async(self) -> "Future[Any]":
         """Start this ``compute()``'s sync and return at once: a future of exactly what ``compute()`` returns now.
 
-        Call it on every rank in the same order, as ``compute()``. The calling thread copies the states (where they
-        live, on the current stream) and hands the sync to a worker thread, which runs it on a gloo side group of the
-        metric's process group and computes the result; the metric may be updated, reset or computed again at once.
-        ``result()`` is bit for bit the value a blocking ``compute()`` returns at the call, the same on every rank,
-        or raises the error it would (``SyncTimeoutError`` naming a missing rank, ``SyncPeerError``). At
-        ``max_in_flight`` pending syncs the call first waits for the oldest. Never fills the metric's cache.
-
-        Where nothing would be exchanged (no process group, a group of one, a synced metric) or the sync cannot leave
-        the calling thread (a custom ``dist_sync_fn`` or ``_sync_dist``, a differentiable sync, inside a ``join`` on
-        its group, a wrapper of other metrics, whose ``compute`` syncs them), it computes at once and returns a
-        finished future.
-        ``compute`` runs on the worker thread: it must not communicate itself. The first call on a process group makes
-        its side group, with every rank of the world (on subgroups: each rank with its own group, at the same point).
-        See "Syncs off the critical path".
-
-        Returns:
-            A :class:`concurrent.futures.Future` of the result.
+        Call it on every rank in the same order, as ``compute()``; the metric may be updated or reset at once.
+        ``result()`` is bit for bit what a blocking ``compute()`` returns at the call, or raises its error. The sync and
+        ``compute`` (which must not communicate) run on a worker thread from a copy of the states, on a gloo side group
+        made at the first call on every rank, or else at once: see "Syncs off the critical path".
 
         Example:
             >>> import torch
@@ -334,74 +282,28 @@ class Metric(StockMetric):
         label = f"{type(self).__name__}.compute"
         collective = self._to_sync and not self._is_synced and self._distributed()
         sync_link = link(self.process_group, self.device, self.sync_timeout, f"sync of {label}") if collective else None
-        if sync_link is None or not self._async_syncs():
+        if sync_link is None or (prepared := self._async_run(label)) is None:
             return deferred.finished(self.compute)
-        run, ready = self._async_run(label)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        future = deferred.submit(run, sync_link, self._tv_pending, self.max_in_flight, stream, ready)
-        return future if future is not None else deferred.finished(self.compute)  # inside a join: at once
+        return deferred.submit(self, sync_link, self.device, *prepared)
 
-    def _async_syncs(self) -> bool:
-        """Whether this metric's sync can run off the calling thread (the coalesced one, not differentiable)."""
+    def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]] | None:
+        """What the worker runs on the side group's link, and the events it first waits for; None: compute at once."""
         differentiable = self.sync_grads and torch.is_grad_enabled()
         ours = self.dist_sync_fn in _OUR_GATHERS and type(self)._sync_dist is Metric._sync_dist
         plain = all(name in vars(self) for name in self._defaults)  # not states kept elsewhere (a property)
-        return ours and plain and not differentiable and self._tv_join is None and not has_child_metrics(self)
-
-    def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]]:
-        """On the calling thread: the snapshot, and what the worker runs with the side group's link."""
+        if not ours or not plain or differentiable or self._tv_join is not None or deferred.has_child_metrics(self):
+            return None
         if self._update_count == 0:
-            _warn_before_update(self)
-        stand_in = deferred.snapshot(self, {})
-        cached, cls = self._computed, type(self)
-
-        def run(side: Any) -> Any:
-            synced = sync_states([stand_in], side, phase="compute", label=label, cached=cached is not None)
-            if synced is None:  # every rank's cached result is valid: it is the global value
-                return cached
-            set_states(stand_in, synced[0])
-            return cls._finish(cls.compute(stand_in))
-
-        return run, []
-
-
-def has_child_metrics(metric: StockMetric) -> bool:
-    """Whether ``metric`` holds metrics of its own (a wrapper): computing it syncs them, on the calling thread only."""
-    children = list(vars(metric)["_modules"].values())  # not `modules()`: it hashes metrics, whose hash reads states
-    while children:
-        child = children.pop()
-        if isinstance(child, StockMetric):
-            return True
-        children += [] if child is None else vars(child)["_modules"].values()
-    return False
-
-
-def check_in_flight(max_in_flight: object) -> int:
-    """``max_in_flight`` checked: an int of at least 1."""
-    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
-        raise ValueError(f"Expected `max_in_flight` to be an int of at least 1 but got {max_in_flight!r}")
-    return max_in_flight
-
-
-def _warn_before_update(metric: StockMetric) -> None:
-    rank_zero_warn(
-        f"The ``compute`` method of metric {type(metric).__name__} was called before the ``update`` method which may"
-        " lead to errors, as metric states have not yet been updated.",
-        UserWarning,
-    )
+            self._warn_before_update()
+        compute = deferred.snapshot([self], type(self)._finish)[1]
+        return lambda side: compute(side, phase="compute", label=label)[0], []
 
 
 _M = TypeVar("_M", bound=StockMetric)
 
 
 class _RebasedMeta(type(StockMetric)):  # type: ignore[misc]
-    """The metaclass of the classes :func:`rebase` makes: it only tells pickle how to find them again.
-
-    A rebased class is made at run time and named like its stock base, so pickle cannot look it up by module and
-    name. Pickled as "``rebase`` of its base" instead (the base by reference), it unpickles to the very same class in
-    this process (``rebase`` caches one class per base) and to an equivalent one in a fresh process. Pickling
-    instances needs nothing more: an instance pickles its class, then its state, as any module does.
-    """
+    """The metaclass of :func:`rebase`'s classes, made at run time under stock names: pickled as ``rebase(base)``."""
 
 
 def _reduce_rebased_class(cls: type) -> Any:
@@ -414,10 +316,7 @@ def _reduce_rebased_class(cls: type) -> Any:
 
 
 def _rebase_by_name(module: str, qualname: str) -> type[StockMetric]:
-    """``rebase`` of the class named ``qualname`` in ``module``: unpickles a rebased class.
-
-    The name may hold the stock class or, where it was swapped in, the rebased class itself: both give the rebased one.
-    """
+    """``rebase`` of the class ``module.qualname`` (the stock one, or the rebased one swapped in): unpickles one."""
     found: Any = importlib.import_module(module)
     for part in qualname.split("."):
         found = getattr(found, part)
@@ -439,22 +338,13 @@ def _rebased_meta(meta: type) -> type:
 _OBJECT_GATHERING_SYNCS = frozenset({("torchmetrics.detection.mean_ap", "MeanAveragePrecision._sync_dist")})
 
 
-def _gathers_objects_itself(metric_cls: type) -> bool:
-    sync = getattr(metric_cls, "_sync_dist", None)
-    return (getattr(sync, "__module__", None), getattr(sync, "__qualname__", None)) in _OBJECT_GATHERING_SYNCS
-
-
 @functools.cache
 def rebase(metric_cls: type[_M]) -> type[_M]:
     """Return a subclass of a stock torchmetrics metric class that syncs through :class:`Metric`.
 
-    The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only
-    the sync changes (one-shot, varlen-safe, no double sync, ``sync_timeout``/``sync_grads`` keyword arguments).
-    Its ``__name__`` and ``__qualname__`` are the stock ones, so collection keys, logged names and ``compute_groups``
-    given by class name stay as they are; its module is ``torchmetrics_varlen.metric``. The class and its instances
-    pickle, deep-copy and ``torch.save`` anywhere the package is importable: the class pickles as
-    ``rebase(metric_cls)`` (``metric_cls`` by reference, so it must be importable), and unpickles to this very class
-    in the same process (one class per base is cached) and to an equivalent one in a fresh process.
+    The new class keeps the name, arguments and behaviour of ``metric_cls`` and is still an instance of it; only the
+    sync changes. It and its instances pickle, deep-copy and ``torch.save`` where ``metric_cls`` is importable: to this
+    very class in the same process (one class per base is cached), to an equivalent one in another.
 
     Args:
         metric_cls: a subclass of :class:`torchmetrics.Metric`.
@@ -491,17 +381,13 @@ def rebase(metric_cls: type[_M]) -> type[_M]:
             f"Expected `metric_cls` to be a metric class but got {name}, a task wrapper whose constructor returns an"
             f" instance of another class ({tasks}): rebase that class instead, e.g. `rebase(Binary{name})`."
         )
-    namespace: dict[str, Any] = {
-        "__module__": __name__,
-        "__qualname__": metric_cls.__qualname__,
-        "__doc__": metric_cls.__doc__,
-        "_rebased_from": metric_cls,
-    }
-    if _gathers_objects_itself(metric_cls):
+    namespace: dict[str, Any] = {"__module__": __name__, "__qualname__": metric_cls.__qualname__}
+    namespace.update(__doc__=metric_cls.__doc__, _rebased_from=metric_cls)
+    sync = getattr(metric_cls, "_sync_dist", None)
+    if (getattr(sync, "__module__", None), getattr(sync, "__qualname__", None)) in _OBJECT_GATHERING_SYNCS:
         # Its `_sync_dist` only adds per-state object gathers that the one sync now does itself (see `_objects`);
         # kept, they would gather the synced lists a second time (and index every rank's by rank 0's length).
         namespace["_sync_dist"] = Metric._sync_dist
     base_meta: type = type(metric_cls)
-    meta: Any = _rebased_meta(base_meta)
-    rebased: type[_M] = meta(metric_cls.__name__, (metric_cls, Metric), namespace)
+    rebased: type[_M] = _rebased_meta(base_meta)(metric_cls.__name__, (metric_cls, Metric), namespace)
     return rebased

@@ -1,10 +1,8 @@
 """Logged scalars (losses, accuracies, counters), reduced exactly across ranks in one collective."""
 
-import functools
 import numbers
-import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import numpy as np
@@ -12,7 +10,7 @@ import torch
 from torch import Tensor
 from torchmetrics.utilities import rank_zero_warn
 
-from torchmetrics_varlen._sync import deferred, engine
+from torchmetrics_varlen._sync import engine
 from torchmetrics_varlen._sync import scalar_codec as _rec
 from torchmetrics_varlen._sync.group import link, sent_cap
 from torchmetrics_varlen.gather import gather_all_tensors
@@ -29,34 +27,22 @@ class ScalarLog(Metric):
 
     ``update({"loss": loss, "acc": acc}, weight=batch_size)`` adds one update per key; ``compute()`` returns a dict
     with every key that any rank updated since the last ``reset()``, each reduced over all updates of all ranks that
-    had it, as one process would on all the updates:
+    had it, as one process would: ``"mean"`` (the default) is the weighted mean :math:`\sum w\,v / \sum w` (not a
+    mean of per-rank means); ``"sum"``, ``"max"`` and ``"min"`` take no weight.
 
-    * ``"mean"`` (the default): the weighted mean :math:`\sum w\,v / \sum w` (not a mean of per-rank means);
-    * ``"sum"``: :math:`\sum v`; ``"max"`` and ``"min"``. The weight counts for ``"mean"`` keys only.
-
-    Keys may differ between ranks and between windows; a rank that updated nothing takes part and gets the same dict.
-    Each value and weight becomes float64 on its own (Python numbers, numpy scalars, tensors of any dtype), and the
-    results (Python floats, ready for any logger) are the same on every rank; float sums equal one process's up to
-    float64 rounding of the ranks' partial sums. Keys must be encodable in UTF-8. An update with tensors accumulates
-    on the device of its first tensor, without a copy to the host; ``compute()`` and :meth:`compute_async` read each
-    device once. NaN is handled as torchmetrics' aggregation metrics handle it (``nan_strategy``), on the device for
-    tensor updates (``"warn"`` then warns when the window is read; ``"error"`` reads the update's NaN flags on the
-    host, to raise at the update); infinities propagate.
-
-    **One collective per** ``compute()``: one exchange of the engine's metadata records, which carry every rank's
-    packed values (see the "Logged scalars" docs page for its cost). Names travel once: the ranks agree on a key
-    layout, which each keeps, and a fingerprint of it rides in every record; a window in which some rank updates a key
-    for the first time (or a record longer than the group's records so far) exchanges once more. A rank that never
-    calls ``compute()`` makes the others raise :class:`~torchmetrics_varlen.SyncTimeoutError` naming it; ranks that
-    give a key different reductions raise :class:`~torchmetrics_varlen.SyncMismatchError` on every rank, naming it.
+    Keys (any ``str`` UTF-8 encodes) may differ between ranks and windows; a rank that updated nothing takes part and
+    gets the same dict. Each value and weight becomes float64 on its own; the results are Python floats, the same on
+    every rank. Tensor updates accumulate on their device until the window is read. NaN is handled as by torchmetrics'
+    aggregators (``nan_strategy``), infinities propagate. **One collective per** ``compute()`` (names travel once): a
+    rank that never calls it makes the others raise :class:`~torchmetrics_varlen.SyncTimeoutError`, different
+    reductions of a key raise :class:`~torchmetrics_varlen.SyncMismatchError` on every rank. See "Logged scalars".
 
     Args:
         reduce: ``"mean"``, ``"sum"``, ``"max"`` or ``"min"`` for every key, or a mapping from key to one of them
             (keys not in it take ``"mean"``).
         nan_strategy: as for :class:`torchmetrics.aggregation.MeanMetric`: ``"warn"`` (drop NaN values, with a
             warning), ``"error"``, ``"ignore"`` (drop silently), ``"disable"`` (keep them: the key's result is NaN) or
-            a float that replaces them (with weight 1, as torchmetrics does). A NaN weight of a ``"mean"`` key counts
-            as a NaN value.
+            a float that replaces them (weight 1, as in torchmetrics); a ``"mean"`` key's NaN weight is a NaN value.
         kwargs: keyword arguments of :class:`~torchmetrics_varlen.Metric` (``process_group``, ``sync_timeout``, ...).
 
     Example:
@@ -76,9 +62,14 @@ class ScalarLog(Metric):
     def __init__(
         self, reduce: str | Mapping[str, str] = "mean", nan_strategy: str | float = "warn", **kwargs: Any
     ) -> None:
-        kwargs.setdefault("dist_sync_fn", gather_all_tensors)
         super().__init__(**kwargs)
-        self.reduce = _check_reduce(reduce)
+        names = [reduce] if isinstance(reduce, str) else list(reduce.values()) if isinstance(reduce, Mapping) else None
+        if names is None or any(name not in _rec.REDUCTIONS for name in names):
+            raise ValueError(
+                f"Expected `reduce` to be one of {_rec.REDUCTIONS} or a mapping from key to one of them but got"
+                f" {reduce!r}"
+            )
+        self.reduce = reduce if isinstance(reduce, str) else dict(reduce)
         if not isinstance(nan_strategy, float) and nan_strategy not in _NAN_STRATEGIES:
             raise ValueError(
                 f"Expected `nan_strategy` to be a float or one of {_NAN_STRATEGIES} but got {nan_strategy!r}"
@@ -117,11 +108,9 @@ class ScalarLog(Metric):
         v, w = both[: len(keys)], both[len(keys) :]
         codes = self._codes(keys)
         if isinstance(both, Tensor):
-            named = self._acc.add_tensor(keys, codes, v, w, self.nan_strategy)
-            if named:
-                raise RuntimeError(f"Encountered `nan` values in ScalarLog keys {named}")
-            return
-        self._acc.add(keys, codes, *self._handle_nan(keys, np.asarray(codes, dtype=np.int64), v, w))
+            self._acc.add_tensor(keys, codes, v, w, self.nan_strategy)
+        else:
+            self._acc.add(keys, codes, *self._handle_nan(keys, np.asarray(codes, dtype=np.int64), v, w))
 
     def _handle_nan(self, keys: list[str], codes: Any, v: Any, w: Any) -> tuple[Any, Any]:
         """Values and weights with NaN handled as ``nan_strategy`` says (as torchmetrics' aggregation metrics)."""
@@ -135,8 +124,7 @@ class ScalarLog(Metric):
             return np.where(nans, self.nan_strategy, v), np.where(nans, 1.0, w)
         if self.nan_strategy == "warn":
             rank_zero_warn(f"Encountered `nan` values in ScalarLog keys {named}. Will be removed.", UserWarning)
-        # Dropped: the key still counts as updated, and contributes its reduction's identity.
-        return np.where(nans, _rec.FIRST[codes], v), np.where(nans, 0.0, w)
+        return np.where(nans, _rec.FIRST[codes], v), np.where(nans, 0.0, w)  # dropped: still updated, at the identity
 
     def forward(self, values: Mapping[str, Number], weight: Number | Mapping[str, Number] = 1) -> None:
         """Same as :meth:`update` (a logging window is reduced by :meth:`compute`, never per call)."""
@@ -149,13 +137,8 @@ class ScalarLog(Metric):
     def compute_async(self) -> "Future[dict[str, float]]":
         """Start this window's sync and return at once: a future of exactly the dict ``compute()`` returns now.
 
-        As :meth:`torchmetrics_varlen.Metric.compute_async`: call it on every rank in the same order; the calling
-        thread copies the accumulators (device ones to pinned host memory, without waiting for the device) and the
-        worker thread exchanges them on the side group. ``reset()`` may follow at once. A blocking ``compute()`` of
-        this log first waits for its pending syncs (the key layout the ranks agree on grows in their order).
-
-        Returns:
-            A :class:`concurrent.futures.Future` of the dict of Python floats.
+        As :meth:`torchmetrics_varlen.Metric.compute_async`; ``reset()`` may follow at once. A blocking ``compute()``
+        of this log first waits for its pending syncs (the agreed key layout grows in their order).
 
         Example:
             >>> from torchmetrics_varlen import ScalarLog
@@ -168,16 +151,11 @@ class ScalarLog(Metric):
         """
         return super().compute_async()
 
-    def _async_syncs(self) -> bool:
-        return type(self)._sync_dist is ScalarLog._sync_dist
-
-    def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]]:
+    def _async_run(self, label: str) -> tuple[Callable[[Any], Any], list[Any]] | None:
+        if type(self)._sync_dist is not ScalarLog._sync_dist:
+            return None
         reading = self._acc.read()
-
-        def run(side: Any) -> dict[str, float]:
-            return self._reduce_window(self._read(reading), side)
-
-        return run, reading.events
+        return lambda side: self._reduce_window(self._read(reading), side), reading.events
 
     def _read(self, reading: _rec.Reading) -> _rec.Accumulator:
         """A reading folded into one accumulator; NaN that tensor updates dropped is warned about now."""
@@ -189,28 +167,24 @@ class ScalarLog(Metric):
     def reset(self) -> None:
         """Start a new window (the agreed key layout is kept: known keys' names never travel again)."""
         super().reset()
-        self._acc = _rec.Accumulator()
-        self._global = None
+        self._acc, self._global = _rec.Accumulator(), None
 
     def _sync_dist(self, dist_sync_fn: Callable[..., Any] = gather_all_tensors, process_group: Any = None) -> None:
         label = f"{type(self).__name__}.compute"
         sync_link = link(process_group or self.process_group, self.device, self.sync_timeout, f"sync of {label}")
         if sync_link is None:
             return
-        deferred.wait_all(self._tv_pending)  # the key layout grows in the order of the syncs
+        wait(list(self._tv_pending))  # the key layout grows in the order of the syncs
+        self._tv_pending.clear()
         self._global = self._reduce_window(self._read(self._acc.read()), sync_link)
 
     def _reduce_window(self, acc: _rec.Accumulator, sync_link: Any) -> dict[str, float]:
         """One exchange of the window ``acc`` over ``sync_link``; the agreed key layout grows by its new keys."""
         label = f"{type(self).__name__}.compute"
         record = _rec.make_record(acc, self._layout, self._named, label, sent_cap(self.sync_cap))
-
-        def decode(table: Any) -> tuple[tuple[list[str], list[int], dict[str, float]], int]:
-            _rec.check_table(table, sync_link.what)
-            new_names, new_codes, results, next_words = _rec.reduce_table(table, self._layout, sync_link.what)
-            return (new_names, new_codes, results), next_words
-
-        new_names, new_codes, results = engine.exchange(list(record), sync_link, decode)
+        new_names, new_codes, results = engine.exchange(
+            list(record), sync_link, lambda table: _rec.reduce_table(table, self._layout, sync_link.what)
+        )
         self._layout.extend(new_names, new_codes)
         self._named.update(acc.index)
         return dict(results)
@@ -226,17 +200,8 @@ class ScalarLog(Metric):
         # A fresh dict of Python floats: nothing to clone or squeeze (walking thousands of keys costs milliseconds).
         return value
 
-    def _wrap_compute(self, compute: Callable[..., Any]) -> Callable[..., Any]:
-        wrapped = super()._wrap_compute(compute)
-
-        @functools.wraps(compute)
-        def quiet(*args: Any, **kwargs: Any) -> Any:
-            # A rank without updates is expected here (keys differ by rank): no "compute before update" warning.
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method")
-                return wrapped(*args, **kwargs)
-
-        return quiet
+    def _warn_before_update(self) -> None:
+        """No "compute before update" warning: a rank without updates is expected here (keys differ by rank)."""
 
 
 def sync_scalars(
@@ -248,11 +213,9 @@ def sync_scalars(
 ) -> dict[str, float]:
     """Reduce one set of named scalars over all ranks, exactly: a one-window :class:`ScalarLog` in one line.
 
-    The replacement of ``all_reduce(loss); loss /= world_size`` (a mean of per-rank means, wrong whenever the ranks
-    saw different numbers of samples): pass each rank's own mean and its sample count as ``weight``. One collective
-    (two when the group's records had no room for this many keys yet), no barrier; every rank gets the same dict, a
-    rank with nothing to log passes ``{}``. Names travel at every call: for many keys logged again and again, keep a
-    :class:`ScalarLog`, whose names travel once.
+    The replacement of ``all_reduce(loss); loss /= world_size`` (a mean of per-rank means): pass each rank's own mean
+    and its sample count as ``weight``. One collective; every rank gets the same dict (pass ``{}`` with nothing to
+    log). Names travel at every call: for keys logged again and again, a :class:`ScalarLog` sends them once.
 
     Args:
         values: this rank's scalars by name (floats, ints or one-element tensors).
@@ -274,23 +237,11 @@ def sync_scalars(
     return log.compute()
 
 
-def _check_reduce(reduce: Any) -> str | dict[str, str]:
-    names = [reduce] if isinstance(reduce, str) else list(reduce.values()) if isinstance(reduce, Mapping) else None
-    if names is None or any(name not in _rec.REDUCTIONS for name in names):
-        raise ValueError(
-            f"Expected `reduce` to be one of {_rec.REDUCTIONS} or a mapping from key to one of them but got {reduce!r}"
-        )
-    return reduce if isinstance(reduce, str) else dict(reduce)
-
-
 def _floats(items: list[Any], keys: list[str]) -> Any:
-    """``items`` (the values of ``keys``, then their weights) as float64: a host array, or one tensor on a device.
+    """``items`` (the values of ``keys``, then their weights) as float64: a host array, or a tensor on a device.
 
-    A host array when no item is a tensor; else a tensor on the device of the first tensor not on the CPU (the CPU if
-    none), numbers and CPU tensors uploaded at once from pinned memory, without blocking.
-
-    Each item becomes float64 on its own: stacking first would round every item to their common dtype (a bf16 loss
-    beside an int64 count of 1,000,003 made it 999,424).
+    On the first tensor's device not the CPU, the rest uploaded from pinned memory without blocking. Each item becomes
+    float64 on its own: stacking first rounds to a common dtype (an int64 1,000,003 beside a bf16 loss: 999,424).
     """
     out = np.empty(len(items))
     device: torch.device | None = None  # the first accelerator's; the CPU's for CPU tensors only
@@ -312,11 +263,8 @@ def _floats(items: list[Any], keys: list[str]) -> Any:
             raise TypeError(f"Expected `{what}` of key {key!r} to be a float, int or 0-d tensor but got {item!r}")
     if device is None or device.type == "cpu":
         return out if device is None else torch.from_numpy(out)
-    host = torch.from_numpy(out).pin_memory().to(device, non_blocking=True)
-    parts = [
-        item.detach().reshape(()).to(device, torch.float64, non_blocking=True)
-        if isinstance(item, Tensor) and item.device.type != "cpu"
-        else host[i]
-        for i, item in enumerate(items)
-    ]
+    parts = list(torch.from_numpy(out).pin_memory().to(device, non_blocking=True))
+    for i, item in enumerate(items):
+        if isinstance(item, Tensor) and item.device.type != "cpu":
+            parts[i] = item.detach().reshape(()).to(device, torch.float64, non_blocking=True)
     return torch.stack(parts)

@@ -1,20 +1,13 @@
 """Syncs that finish later: the worker thread behind ``compute_async()``, its queue, and the futures it resolves.
 
-* **The calling thread** takes a snapshot (:func:`snapshot`: a copy of each state, made where the state lives, on
-  the current stream) and hands a job to the worker (:func:`submit`); it never waits for a peer, except when
-  ``max_in_flight`` syncs of that metric are pending (it then waits for the oldest, with the sync's timeout).
-* **One worker thread per process** runs every job in the order of the calls, on the side group of the metric's
-  group (:func:`.engine.side_link`: a gloo group of the same ranks, the one the Join worker uses, made on the calling
-  thread at the first call). Every rank makes the calls in the same order, so the side groups' collectives pair up as
-  the blocking calls' would; no collective of the job's own groups is ever issued from the worker, and a ``join``
-  first waits for the jobs on its side group and queues none there while it runs (:func:`hold`), so no side group is
-  driven from two threads. Device work of a job (the results' copies back, the metric's compute) runs on the
-  caller's CUDA stream, in stream order.
-* **Faults.** The worker's waits are the engine's: the sync's timeout, the named errors. A job that ends in
-  ``SyncTimeoutError`` or ``SyncPeerError`` leaves a collective pending on its side group: every later job on that
-  group raises the same kind of error at once, naming the first failure.
-* **Exit.** The package's exit handler (:mod:`.wait`) first waits for the pending jobs, at most the longest of their
-  timeouts, and writes to stderr which syncs were lost.
+The caller snapshots the states (on the current stream) and queues a job, waiting for a peer only at ``max_in_flight``
+pending syncs. One worker thread per process runs the jobs in call order on the (gloo) side group of the metric's group:
+every rank makes the calls in the same order, so the side groups' collectives pair up as the blocking calls' would. The
+job's own groups (NCCL's: one driving thread) are never used from the worker, and a ``join`` waits for the jobs on its
+side group and queues none there while it runs: no group is driven from two threads. Device work runs on the caller's
+stream, in stream order. A job ending in ``SyncTimeoutError`` or ``SyncPeerError`` leaves a collective pending: later
+jobs on that side group raise the same kind at once. At exit, :mod:`.wait` waits for pending jobs (at most their longest
+timeout) and names the lost ones.
 """
 
 import contextlib
@@ -28,12 +21,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._sync import engine, wait
+from torchmetrics_varlen._sync import engine, states, wait
 from torchmetrics_varlen._sync.group import GroupState, Link
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
-_BREAKING = (SyncTimeoutError, SyncPeerError)
 _LOOK = wait.NOTE_AFTER + wait.STORE_ANSWER + 1.0  # a wait's look at the peers' notes after its timeout, at most
 
 
@@ -74,23 +67,19 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._jobs:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._jobs)
                 job = self._jobs[0]
             _run(job)
             with self._cond:
                 self._jobs.popleft()
                 self._cond.notify_all()
 
-    def settle(self, state: GroupState | None = None, timeout: float | None = None) -> list[Job]:
-        """Wait until no job (on ``state``'s side group) is pending, at most ``timeout`` s; what is still pending."""
-        end = None if timeout is None else time.monotonic() + timeout
+    def settle(self, state: GroupState | None = None, timeout: float | None = None) -> None:
+        """Wait until no job (on ``state``'s side group) is pending, at most ``timeout`` s."""
         with self._cond:
-            while True:
-                left = [job for job in self._jobs if state is None or job.link.state is state]
-                if not left or (end is not None and time.monotonic() >= end):
-                    return left
-                self._cond.wait(None if end is None else end - time.monotonic())
+            self._cond.wait_for(
+                lambda: not any(state is None or job.link.state is state for job in self._jobs), timeout
+            )
 
     def at_exit(self) -> None:
         """At interpreter exit: wait for the pending jobs (the longest of their limits at most), say what was lost."""
@@ -101,7 +90,11 @@ class Worker:
         start = time.monotonic()
         self.settle(None, max(limit(job.link) for job in jobs))
         unfinished = [job.link.what for job in jobs if not job.future.done()]
-        failed = [f"{job.link.what}: {_first_line(job.future.exception())}" for job in jobs if _failed(job.future)]
+        failed = [
+            f"{job.link.what}: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+            for job in jobs
+            if job.future.done() and (err := job.future.exception()) is not None
+        ]
         if unfinished or failed:
             sys.stderr.write(
                 f"torchmetrics_varlen: the process exited with {len(jobs)} compute_async() sync(s) pending; after"
@@ -113,21 +106,23 @@ class Worker:
             )
 
 
-# Why a process-global: one thread runs every pending sync of the process in call order, the order every rank makes
-# the calls in; the exit handler waits for it.
+# Process-global: one thread runs every pending sync in call order, the order of every rank; the exit handler waits.
 WORKER = Worker()
 
 
 def _run(job: Job) -> None:
     state = job.link.state
     try:
-        if state.broken is not None:
-            raise _again(state.broken, job.link.what)
+        if state.broken is not None:  # an earlier job left a collective pending there: the same kind of error
+            raise type(state.broken)(
+                f"{job.link.what}: not run, because an earlier pending sync on the same process group failed and left a"
+                f" collective pending there, so no later sync of it can pair up. The first failure: {state.broken}"
+            ) from state.broken
         for event in job.ready:  # device copies the snapshot made without blocking the caller
             wait.wait_event(event, job.link)
         with torch.cuda.stream(job.stream) if job.stream is not None else contextlib.nullcontext():
             value = job.run(job.link)
-    except _BREAKING as err:
+    except (SyncTimeoutError, SyncPeerError) as err:
         if state.broken is None:
             state.broken = err
         job.future.set_exception(err)
@@ -137,42 +132,20 @@ def _run(job: Job) -> None:
         job.future.set_result(value)
 
 
-def _failed(future: "futures.Future[Any]") -> bool:
-    return future.done() and future.exception() is not None
-
-
-def _first_line(err: BaseException | None) -> str:
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
-
-
-def _again(first: BaseException, what: str) -> BaseException:
-    """The error of a job whose side group an earlier job left with a collective pending: the same kind."""
-    err = type(first)(
-        f"{what}: not run, because an earlier pending sync on the same process group failed and left a collective"
-        f" pending there, so no later sync of it can pair up. The first failure: {first}"
-    )
-    err.__cause__ = first
-    return err
-
-
 def submit(
-    run: Callable[[Link], Any],
-    group_link: Link,
-    pending: "deque[futures.Future[Any]]",
-    max_in_flight: int,
-    stream: Any = None,
-    ready: Sequence[Any] = (),
-) -> "futures.Future[Any] | None":
-    """Queue ``run`` on the side group of ``group_link``'s group; its future, also appended to ``pending``.
+    owner: Any, group_link: Link, device: torch.device, run: Callable[[Link], Any], ready: Sequence[Any] = ()
+) -> "futures.Future[Any]":
+    """Queue ``run`` on the side group of ``group_link``'s group: its future, also appended to ``owner._tv_pending``.
 
-    At ``max_in_flight`` pending futures of the caller (``pending``), first waits for the oldest. Makes the side group
-    at the first call on a group (every rank of the world then, see :func:`.engine.side_link`). None, queuing nothing,
-    while a ``join`` drives that side group: the caller syncs at once instead.
+    At ``owner.max_in_flight`` pending, first waits for the oldest; while a ``join`` drives the side group (made at
+    the first call: :func:`.engine.side_link`), ``owner.compute()`` at once.
     """
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
     side = engine.side_link(group_link, group_link.timeout)
     if side.state.held:
-        return None
+        return finished(owner.compute)
     side = replace(side, what=f"{group_link.what} (compute_async)")
+    pending, max_in_flight = owner._tv_pending, owner.max_in_flight
     while pending and pending[0].done():
         pending.popleft()
     if len(pending) >= max_in_flight:
@@ -194,11 +167,7 @@ def submit(
 
 
 def hold(side: Link, held: bool) -> None:
-    """A ``join`` starts (``held``) or stops driving the side group ``side``.
-
-    It first waits for the pending syncs there; while it is held, :func:`submit` queues none (the caller computes at
-    once).
-    """
+    """A ``join`` starts (``held``: after the pending syncs there) or stops driving the side group ``side``."""
     if held:
         WORKER.settle(side.state)
     side.state.held = held
@@ -214,28 +183,52 @@ def finished(compute: Callable[[], Any]) -> "futures.Future[Any]":
     return future
 
 
-def wait_all(pending: "deque[futures.Future[Any]]") -> None:
-    """Wait for every pending future of a metric (they end within their syncs' timeouts)."""
-    futures.wait(list(pending))
-    pending.clear()
+def snapshot(metrics: Sequence[Any], finish: Callable[[Any], Any]) -> tuple[list[Any], Callable[..., list[Any]]]:
+    """Stand-ins of ``metrics`` owning copies of their states, and the worker's function: one sync, then each result.
 
-
-def snapshot(metric: Any, memo: dict[int, Any]) -> Any:
-    """A stand-in of ``metric`` that owns copies of its states, for a sync and a compute on the worker.
-
-    Tensor states are cloned (detached) on their device and stream; list states become new lists of the same items
-    (torchmetrics appends items and never changes them in place). ``memo`` holds one copy per state object, so states
-    a compute group shares stay shared. The stand-in is of the metric's class, with the metric's other attributes,
-    and looks synced (``_is_synced``) as the metric does inside a blocking ``compute()``.
+    The function takes the side link and keywords of ``sync_states``. Stand-ins have the metrics' class and attributes
+    and look synced. Tensor states are cloned on their device and stream, list states become new lists of the same
+    items (torchmetrics never changes items in place); one copy per state object: a compute group's stay shared.
     """
-    attrs = dict(vars(metric))
-    for name in metric._defaults:
-        value = attrs[name]
-        copied = memo.get(id(value))
-        if copied is None:
-            copied = memo[id(value)] = list(value) if isinstance(value, list) else value.detach().clone()
-        attrs[name] = copied
-    attrs["_is_synced"] = True
-    stand_in = object.__new__(type(metric))
-    vars(stand_in).update(attrs)
-    return stand_in
+    memo: dict[int, Any] = {}
+    stand_ins = []
+    for metric in metrics:
+        attrs = dict(vars(metric))
+        for name in metric._defaults:
+            value = attrs[name]
+            if id(value) not in memo:
+                memo[id(value)] = list(value) if isinstance(value, list) else value.detach().clone()
+            attrs[name] = memo[id(value)]
+        stand_ins.append(object.__new__(type(metric)))
+        vars(stand_ins[-1]).update(attrs, _is_synced=True)
+    cached = [metric._computed for metric in metrics]
+
+    def compute(side: Link, **how: Any) -> list[Any]:
+        synced = states.sync_states(stand_ins, side, cached=all(value is not None for value in cached), **how)
+        if synced is None:  # every rank's caches are valid (no update since): the global values
+            return cached
+        values = []
+        for stand_in, synced_states in zip(stand_ins, synced):
+            vars(stand_in).update(synced_states)  # plain attributes, as `metric.set_states` writes them
+            values.append(finish(type(stand_in).compute(stand_in)))
+        return values
+
+    return stand_ins, compute
+
+
+def check_in_flight(max_in_flight: object) -> int:
+    """``max_in_flight`` checked: an int of at least 1."""
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+        raise ValueError(f"Expected `max_in_flight` to be an int of at least 1 but got {max_in_flight!r}")
+    return max_in_flight
+
+
+def has_child_metrics(metric: StockMetric) -> bool:
+    """Whether ``metric`` holds metrics of its own (a wrapper): computing it syncs them, on the calling thread only."""
+    children = list(vars(metric)["_modules"].values())  # not `modules()`: it hashes metrics, whose hash reads states
+    while children:
+        child = children.pop()
+        if isinstance(child, StockMetric):
+            return True
+        children += [] if child is None else vars(child)["_modules"].values()
+    return False

@@ -51,9 +51,8 @@ Array = npt.NDArray[Any]
 class Accumulator:
     """One rank's per-key float64 accumulators since the last reset: keys in the order they were first updated.
 
-    Updates of numbers accumulate here, on the host; updates with tensors in :attr:`devices`, on the device of their
-    first tensor (:class:`Sums`): :meth:`read` copies both, and :meth:`Reading.folded` combines them by each key's
-    reduction, so a key updated in both places sums each place's part in update order, then the parts.
+    Updates of numbers accumulate here, on the host, updates with tensors on their device (:attr:`devices`); a key
+    updated in several places sums each place's part in update order, then the parts (:meth:`Reading.folded`).
     """
 
     def __init__(self) -> None:
@@ -92,15 +91,12 @@ class Accumulator:
 
     def add_tensor(
         self, keys: Sequence[str], codes: Sequence[int], values: Tensor, weights: Tensor, nan_strategy: Any
-    ) -> list[str]:
-        """Add one update held in float64 tensors on one device, there; with ``"error"``, the keys with NaN instead."""
-        sums = self.devices.get(values.device)
-        if sums is None:
-            sums = self.devices[values.device] = Sums(values.device)
-        nan = sums.add(tuple(keys), codes, values, weights, nan_strategy)
-        if not nan:
-            self.register(keys, codes)
-        return nan
+    ) -> None:
+        """Add one update held in float64 tensors on one device, there (``"error"`` with NaN: nothing, it raises)."""
+        if values.device not in self.devices:
+            self.devices[values.device] = Sums(values.device)
+        self.devices[values.device].add(tuple(keys), codes, values, weights, nan_strategy)
+        self.register(keys, codes)
 
     def merge(self, keys: Sequence[str], first: Array, weight: Array) -> None:
         """Combine another part of these keys' words (a device's sums) into this one, by each key's reduction."""
@@ -108,32 +104,23 @@ class Accumulator:
         kinds, old = self.codes[at], self.first[at]
         with np.errstate(invalid="ignore"):  # the branch not taken may be inf - inf
             summed = old + first
-        self.first[at] = np.where(
-            kinds == MAX, np.maximum(old, first), np.where(kinds == MIN, np.minimum(old, first), summed)
-        )
+        low = np.where(kinds == MIN, np.minimum(old, first), summed)
+        self.first[at] = np.where(kinds == MAX, np.maximum(old, first), low)
         self.weight[at] += weight
 
     def read(self) -> "Reading":
         """A copy of every accumulator: the device parts copied to pinned host memory without blocking (events)."""
         host = Accumulator()
-        host.index, host.codes, host.first, host.weight = (
-            dict(self.index),
-            self.codes,
-            self.first.copy(),
-            self.weight.copy(),
-        )
-        parts: list[tuple[list[str], Tensor]] = []
-        events: list[Any] = []
+        host.index, host.codes = dict(self.index), self.codes
+        host.first, host.weight = self.first.copy(), self.weight.copy()
+        reading = Reading(host, [], [])
         for sums in self.devices.values():
             data = torch.cat([sums.first, sums.weight, sums.nan.to(torch.float64)])  # a copy: updates may go on
-            if data.device.type != "cpu":
-                pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                pinned.copy_(data, non_blocking=True)
-                events.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
-                events[-1].record(torch.cuda.current_stream(data.device))
-                data = pinned
-            parts.append((list(sums.index), data))
-        return Reading(host, parts, events)
+            if sums.device.type != "cpu":
+                data = torch.empty(data.shape, dtype=data.dtype, pin_memory=True).copy_(data, non_blocking=True)
+                reading.events.append(torch.cuda.current_stream(sums.device).record_event())
+            reading.parts.append((list(sums.index), data))
+        return reading
 
 
 @dataclass
@@ -160,9 +147,8 @@ class Reading:
 class Sums:
     """One device's per-key float64 words of the tensor updates (as in :class:`Accumulator`), and where NaN came.
 
-    An update is a handful of device operations whatever its number of keys: the keys' positions, reduction codes and
-    identities go to the device once per set of keys (from pinned memory, without blocking), then gather, combine,
-    scatter. Nothing is read on the host, except with ``nan_strategy="error"``, which must raise at the update.
+    An update is a handful of device operations whatever its number of keys (positions, codes and identities go to
+    the device once per set of keys); nothing is read on the host, except for ``"error"``, which must raise at once.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -182,9 +168,8 @@ class Sums:
             kinds = np.asarray(codes, dtype=np.int64)
             new = np.asarray([code for key, code in zip(keys, codes) if key in fresh], dtype=np.int64)
             at = np.fromiter((self.index[key] for key in keys), dtype=np.int64, count=len(keys))
-            words = torch.from_numpy(
-                np.concatenate([at, kinds, FIRST[kinds].view(np.int64), FIRST[new].view(np.int64)])
-            )
+            identities = [FIRST[kinds].view(np.int64), FIRST[new].view(np.int64)]
+            words = torch.from_numpy(np.concatenate([at, kinds, *identities]))
             if self.device.type != "cpu":
                 words = words.pin_memory().to(self.device, non_blocking=True)
             n = len(keys)
@@ -195,13 +180,13 @@ class Sums:
                 self.nan = torch.cat([self.nan, torch.zeros(len(fresh), dtype=torch.bool, device=self.device)])
         return found
 
-    def add(self, keys: tuple[str, ...], codes: Sequence[int], v: Tensor, w: Tensor, nan_strategy: Any) -> list[str]:
-        """Add one update (NaN handled as torchmetrics' aggregators do); with ``"error"``, the keys with NaN instead."""
-        if nan_strategy == "error":  # before anything changes; the one read on the host
+    def add(self, keys: tuple[str, ...], codes: Sequence[int], v: Tensor, w: Tensor, nan_strategy: Any) -> None:
+        """Add one update, NaN handled as torchmetrics' aggregators do (``"error"``: raised before anything changes)."""
+        if nan_strategy == "error":  # the one read on the host
             v_nan, w_nan = torch.stack([v.isnan(), w.isnan()]).tolist()
             named = [key for key, code, a, b in zip(keys, codes, v_nan, w_nan) if a or (b and code == MEAN)]
             if named:
-                return named
+                raise RuntimeError(f"Encountered `nan` values in ScalarLog keys {named}")
         at, kinds, identity = self._plan(keys, codes)
         mean = kinds == MEAN
         nans = v.isnan() | (mean & w.isnan())
@@ -215,7 +200,6 @@ class Sums:
         self.first[at] = torch.where(kinds == MAX, torch.maximum(old, v), low)  # NaN propagates, as in torch.max
         self.weight[at] = self.weight[at] + torch.where(mean, w, 0.0)
         self.nan[at] = self.nan[at] | nans
-        return []
 
 
 @dataclass
@@ -314,8 +298,9 @@ def check_table(table: Array, what: str) -> None:
         )
 
 
-def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], list[int], dict[str, float], int]:
-    """Reduce every key some rank updated (layout unchanged): new keys, their codes, results, next record's length."""
+def reduce_table(table: Array, layout: Layout, what: str) -> tuple[tuple[list[str], list[int], dict[str, float]], int]:
+    """Check, then reduce every key some rank updated (layout unchanged): (new keys, codes, results), next length."""
+    check_table(table, what)
     world, k = table.shape[0], len(layout.names)
     words = np.tile(layout.identity(), (world, 1))
     present = np.zeros((world, k), dtype=bool)
@@ -330,7 +315,7 @@ def reduce_table(table: Array, layout: Layout, what: str) -> tuple[list[str], li
             pos = grown.position[name]
             present[rank, pos] = True
             words[rank, grown.offsets[pos] : grown.offsets[pos + 1]] = values
-    return new_names, new_codes, _reduce(words, present, grown), _next_words(present, grown)
+    return (new_names, new_codes, _reduce(words, present, grown)), _next_words(present, grown)
 
 
 def _next_words(present: Array, layout: Layout) -> int:
@@ -382,15 +367,13 @@ def _agree_new_keys(
     named: list[list[tuple[str, int, Array]]], layout: Layout, what: str
 ) -> tuple[list[str], list[int]]:
     """The keys new to the layout in rank order; `SyncMismatchError` where ranks give a key different reductions."""
-    new_names: list[str] = []
-    codes: dict[str, int] = {}
+    codes: dict[str, int] = {}  # the new keys, in rank order
     claims: dict[str, dict[int, int]] = {}
     for rank, entries in enumerate(named):
         for name, code, _ in entries:
             claims.setdefault(name, {})[rank] = code
-            if name not in layout.position and name not in codes:
-                codes[name] = code
-                new_names.append(name)
+            if name not in layout.position:
+                codes.setdefault(name, code)
     conflicts = []
     for name, per_rank in claims.items():
         agreed = int(layout.codes[layout.position[name]]) if name in layout.position else None
@@ -404,7 +387,7 @@ def _agree_new_keys(
             + "; ".join(conflicts[:10])
             + ". Pass the same `reduce=` on every rank."
         )
-    return new_names, [codes[name] for name in new_names]
+    return list(codes), list(codes.values())
 
 
 def _reduction(code: int) -> str:
@@ -421,10 +404,8 @@ def _reduce(words: Array, present: Array, layout: Layout) -> dict[str, float]:
     means = codes == MEAN
     with np.errstate(divide="ignore", invalid="ignore"):  # no weight: 0 / 0 is NaN, as MeanMetric gives
         out[means] = sums[means] / words[:, layout.offsets[:-1][means] + 1].sum(axis=0)
-    if (codes == MAX).any():
-        out[codes == MAX] = first[:, codes == MAX].max(axis=0)  # NaN propagates, as torch.max does
-    if (codes == MIN).any():
-        out[codes == MIN] = first[:, codes == MIN].min(axis=0)
+    out[codes == MAX] = first[:, codes == MAX].max(axis=0)  # NaN propagates, as torch.max does
+    out[codes == MIN] = first[:, codes == MIN].min(axis=0)
     keep = np.flatnonzero(present.any(axis=0))
     return {layout.names[i]: float(out[i]) for i in keep.tolist()}
 
