@@ -36,7 +36,7 @@ from benchmarks._gpu_common import (
     _update,
 )
 from torchmetrics_varlen import gather_all_tensors, rebase
-from torchmetrics_varlen._sync.group import link
+from torchmetrics_varlen._engine.group import link
 from torchmetrics_varlen.losses import SoftF1Loss
 
 __all__ = ["SCENARIOS"]

@@ -17,8 +17,8 @@ from torch.distributed.algorithms.join import Join
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, Scenario, _BatchMSE, _close
-from torchmetrics_varlen._sync import engine
-from torchmetrics_varlen._sync.group import REGISTRY, Link
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine.group import REGISTRY, Link
 
 __all__ = ["SCENARIOS"]
 
@@ -26,19 +26,19 @@ __all__ = ["SCENARIOS"]
 class _Recorder:
     """Records what the worker threads hand to the engine, and which group carries the main thread's step syncs.
 
-    Every sync of the package, its fast path (the learnt plans) included, starts with ``engine.start``, which
-    ``engine.sync`` looks up at call time: wrapping it sees every request and the link it runs over.
+    Every sync of the package, its fast path (the learnt plans) included, starts with ``_engine.start``, which
+    ``_engine.sync`` looks up at call time: wrapping it sees every request and the link it runs over.
     """
 
     def __init__(self) -> None:
         self.worker_tensors: list[tuple[str, str]] = []
         self.main_groups: list[Any] = []
-        self._original: Callable[..., Any] = engine.start
+        self._original: Callable[..., Any] = _engine.start
 
     def __enter__(self) -> "_Recorder":
         original = self._original
 
-        def recording(request: engine.Request, link: Link) -> Any:
+        def recording(request: _engine.Request, link: Link) -> Any:
             if threading.current_thread() is threading.main_thread():
                 if request.label.endswith(".step"):
                     self.main_groups.append(link.group)
@@ -49,11 +49,11 @@ class _Recorder:
                             self.worker_tensors.append((type(tensor).__name__, str(tensor.device)))
             return original(request, link)
 
-        engine.start = recording
+        _engine.start = recording
         return self
 
     def __exit__(self, *exc: object) -> None:
-        engine.start = self._original
+        _engine.start = self._original
 
     def check_worker(self) -> None:
         found = set(self.worker_tensors)

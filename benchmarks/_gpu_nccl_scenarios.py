@@ -27,8 +27,8 @@ from torchmetrics.aggregation import CatMetric
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, NoteError, Scenario, SkipError, _close, counted
-from torchmetrics_varlen._sync import comm, wait
-from torchmetrics_varlen._sync.group import Facts, backend_of, decide, is_nccl, link
+from torchmetrics_varlen._engine import comm, wait
+from torchmetrics_varlen._engine.group import Facts, backend_of, decide, is_nccl, link
 
 __all__ = ["SCENARIOS"]
 

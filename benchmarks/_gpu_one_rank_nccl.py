@@ -32,7 +32,7 @@ from torchmetrics.aggregation import CatMetric
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import NoteError, SkipError, counted
-from torchmetrics_varlen._sync.group import Facts, decide, link
+from torchmetrics_varlen._engine.group import Facts, decide, link
 
 __all__ = ["SCENARIOS", "watchdog_child"]
 

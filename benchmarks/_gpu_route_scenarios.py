@@ -13,7 +13,7 @@ from torchmetrics.functional.classification import binary_auroc
 
 import torchmetrics_varlen as tv
 from benchmarks._gpu_common import Ctx, Scenario, _close, _on
-from torchmetrics_varlen._sync import move
+from torchmetrics_varlen._engine import move
 from torchmetrics_varlen.onerank import compute_on_rank
 
 __all__ = ["SCENARIOS"]

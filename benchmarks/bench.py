@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tests._meters import CollectiveCounter
-from torchmetrics_varlen._sync.group import link
-from torchmetrics_varlen._sync.states import metrics_device, sync_states
+from torchmetrics_varlen._engine.group import link
+from torchmetrics_varlen._engine.states import metrics_device, sync_states
 
 Case = dict[str, Any]
 SMALL_SYNC_REPEATS = 300

@@ -2,7 +2,7 @@
 
 NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and the package skips every sync in a group of one, so
 this check makes the package treat a group of one as a group to sync (one private name of the package, patched here
-and nowhere else: the registry's ``state`` method, ``torchmetrics_varlen._sync.group.REGISTRY.state``; the
+and nowhere else: the registry's ``state`` method, ``torchmetrics_varlen._engine.group.REGISTRY.state``; the
 ``small-sync`` scenario only wraps the engine's fast path to count it, and restores it). Nothing crosses ranks, so
 ordering between ranks cannot show; what does: NCCL accepting every call the engine makes (the record exchange, the
 padded gather, the all-reduce buckets, the per-rank broadcasts, the sends to one rank, the memory check), stream order
@@ -39,8 +39,8 @@ from torchmetrics.utilities.data import dim_zero_cat
 import torchmetrics_varlen as tv
 from benchmarks import _gpu_async_scenarios, _gpu_one_rank_nccl
 from benchmarks._gpu_common import NoteError, SkipError
-from torchmetrics_varlen._sync import engine
-from torchmetrics_varlen._sync.group import REGISTRY, GroupState, Link, group_timeout
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine.group import REGISTRY, GroupState, Link, group_timeout
 
 __all__ = ["force_sync_in_a_group_of_one", "main"]
 
@@ -159,14 +159,14 @@ def _small_sync(device: torch.device) -> str:
     # The fast path is the engine's plan cache: a learnt request's results come from `_fast_results`, which answers
     # None where the exchanged headers are not the learnt ones (the sync then goes the long way).
     fast: list[bool] = []
-    original_fast = engine._fast_results
+    original_fast = _engine._fast_results
 
-    def fast_results(learnt: Any, table: Tensor, request: engine.Request, link: Link) -> engine.Synced | None:
+    def fast_results(learnt: Any, table: Tensor, request: _engine.Request, link: Link) -> _engine.Synced | None:
         out = original_fast(learnt, table, request, link)
         fast.append(out is not None)
         return out
 
-    engine._fast_results = fast_results
+    _engine._fast_results = fast_results
     try:
         got = metric.compute()
         first_calls = list(calls)
@@ -175,7 +175,7 @@ def _small_sync(device: torch.device) -> str:
             again = metric.compute()
             torch.testing.assert_close(again, got, rtol=0, atol=0)
     finally:
-        engine._fast_results = original_fast
+        _engine._fast_results = original_fast
         for name, fn in originals.items():
             setattr(dist, name, fn)
     reference = BinaryAccuracy().to(device)  # stock, one process, the same data

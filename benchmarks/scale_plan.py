@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync.group import BROADCAST_MIN_BYTES, DEFAULT_CAP, INITIAL_WORDS, MIN_WORDS, sent_cap
-from torchmetrics_varlen._sync.move import AGREE_MIN_BYTES
-from torchmetrics_varlen._sync.pack import chunk_elements, pack
-from torchmetrics_varlen._sync.plan import OP_MAX, OP_MEAN, OP_NONE, OP_SUM, Plan, make_plan
-from torchmetrics_varlen._sync.record import LocalEntry, context_hash, describe
-from torchmetrics_varlen._sync.unpack import unpack
+from torchmetrics_varlen._engine.group import BROADCAST_MIN_BYTES, DEFAULT_CAP, INITIAL_WORDS, MIN_WORDS, sent_cap
+from torchmetrics_varlen._engine.move import AGREE_MIN_BYTES
+from torchmetrics_varlen._engine.pack import chunk_elements, pack
+from torchmetrics_varlen._engine.plan import OP_MAX, OP_MEAN, OP_NONE, OP_SUM, Plan, make_plan
+from torchmetrics_varlen._engine.record import LocalEntry, context_hash, describe
+from torchmetrics_varlen._engine.unpack import unpack
 
 Row = dict[str, Any]
 CAT_ENTRIES, DENSE_ENTRIES = 8, 16
@@ -110,7 +110,7 @@ def metric_plan_bytes(metric: Any, world: int, settled: bool = False) -> Row:
 
     ``settled``: once the group's record length has shrunk to such syncs.
     """
-    from torchmetrics_varlen._sync.states import layout
+    from torchmetrics_varlen._engine.states import layout
 
     sync_layout = layout([metric], "compute")
     classes, cap = sync_layout.classes, sent_cap(sync_layout.cap)  # the cap the engine's record carries

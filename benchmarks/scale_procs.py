@@ -19,8 +19,8 @@ from torch import Tensor
 from benchmarks._timing import interleaved_medians
 from benchmarks.bench import _feed_eight, eight_metric_members  # the 8-metric case is the benchmark's
 from tests._meters import ByteMeter
-from torchmetrics_varlen._sync.group import RECORD_WINDOW
-from torchmetrics_varlen._sync.record import record_words
+from torchmetrics_varlen._engine.group import RECORD_WINDOW
+from torchmetrics_varlen._engine.record import record_words
 
 Row = dict[str, Any]
 

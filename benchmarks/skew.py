@@ -61,7 +61,7 @@ def even_sizes(world_size: int, total: int) -> list[int]:
 
 def engine_cap() -> int:
     """The transfer cap in bytes this process syncs with (``TORCHMETRICS_VARLEN_SYNC_CAP``, else the default)."""
-    from torchmetrics_varlen._sync.group import sent_cap
+    from torchmetrics_varlen._engine.group import sent_cap
 
     return sent_cap(None)
 

@@ -65,14 +65,14 @@ def count_collectives(calls=None):
 def sync_labels():
     """The labels of this package's syncs while the block runs, in order: one per metadata exchange.
 
-    Every sync starts with one record exchange: :func:`engine.start` (a request's sync, the fast path's too) or
-    :func:`engine.exchange` (a record the caller brings: ``ScalarLog``). The label is the link's ``what`` without its
+    Every sync starts with one record exchange: :func:`_engine.start` (a request's sync, the fast path's too) or
+    :func:`_engine.exchange` (a record the caller brings: ``ScalarLog``). The label is the link's ``what`` without its
     "sync of " prefix.
     """
-    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen import _engine
 
     labels: list = []
-    originals = {"start": engine.start, "exchange": engine.exchange}
+    originals = {"start": _engine.start, "exchange": _engine.exchange}
 
     def wrap(fn):
         def started(words_or_request, link, *args):
@@ -82,12 +82,12 @@ def sync_labels():
         return started
 
     for name, fn in originals.items():
-        setattr(engine, name, wrap(fn))
+        setattr(_engine, name, wrap(fn))
     try:
         yield labels
     finally:
         for name, fn in originals.items():
-            setattr(engine, name, fn)
+            setattr(_engine, name, fn)
 
 
 @contextlib.contextmanager
@@ -95,28 +95,28 @@ def fast_path_taken():
     """Yields a list that gets, per sync that reached the fast path's exchange, whether it took the learnt plan.
 
     A sync whose key was learnt sends the learnt header and slots; once the records are exchanged the engine compares
-    every rank's with the learnt ones (``engine._fast_results``): the learnt plan's results, or None (the long way).
+    every rank's with the learnt ones (``_engine._fast_results``): the learnt plan's results, or None (the long way).
     """
-    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen import _engine
 
     taken = []
-    original = engine._fast_results
+    original = _engine._fast_results
 
     def counted(*args):
         out = original(*args)
         taken.append(out is not None)
         return out
 
-    engine._fast_results = counted
+    _engine._fast_results = counted
     try:
         yield taken
     finally:
-        engine._fast_results = original
+        _engine._fast_results = original
 
 
 def _forget_policies():
     """Every group's cached policies, dropped (``GroupState.policy`` asks ``decide`` again at its next call)."""
-    from torchmetrics_varlen._sync.group import REGISTRY
+    from torchmetrics_varlen._engine.group import REGISTRY
 
     states = getattr(REGISTRY, "_states", None)
     if states is None:  # no way to reach the states: forget the groups altogether (on every rank alike)
@@ -136,7 +136,7 @@ def forced_policy(**fields):
     ``device_records=True``, ``wait="poll"``, ...). It applies to every thread of the process, and to every rank that
     enters it: a rank outside such a block decides for itself. Yields the policy of a CPU metric on the world group.
     """
-    from torchmetrics_varlen._sync import group
+    from torchmetrics_varlen._engine import group
 
     original = group.decide
 
@@ -166,7 +166,7 @@ def group_state(pg=None, backend="gloo", rank=0, size=2):
     The state refers to its group weakly, as the registry's states do: the state holds ``pg`` here, so that it stays
     alive as long as the state.
     """
-    from torchmetrics_varlen._sync.group import GroupState
+    from torchmetrics_varlen._engine.group import GroupState
 
     pg = MadeUpGroup() if pg is None else pg
     state = GroupState(weakref.ref(pg), rank, size, backend, "0.1", "made-up")
@@ -176,7 +176,7 @@ def group_state(pg=None, backend="gloo", rank=0, size=2):
 
 def describe(entries, context, label, flags=0, aux=None, inline=False, cap=None):
     """A record of ``entries`` as ``record.describe`` writes it; ``cap`` None: the default transfer cap."""
-    from torchmetrics_varlen._sync import group, record
+    from torchmetrics_varlen._engine import group, record
 
     return record.describe(entries, context, label, flags, aux, inline, group.DEFAULT_CAP if cap is None else cap)
 

@@ -54,7 +54,7 @@ def run_distributed(
 def _on_fresh_record_lengths(rank: int, world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run a test body as in a fresh process group: a pooled group's record lengths follow its earlier syncs (they
     shrink after a window of small ones), which would make collective counts depend on the tests that ran before."""
-    from torchmetrics_varlen._sync.group import REGISTRY
+    from torchmetrics_varlen._engine.group import REGISTRY
 
     REGISTRY.reset()  # on every rank before the body's first sync, so the ranks still agree
     return fn(rank, world_size, *args, **kwargs)

@@ -84,8 +84,8 @@ def body_compute_group_moves_once(rank, world_size):
     gen = torch.Generator().manual_seed(rank)
     collection.update(torch.randn(8 + rank, 5, generator=gen), torch.randint(0, 5, (8 + rank,), generator=gen))
     sent = []
-    import torchmetrics_varlen._sync.pack as pack
-    import torchmetrics_varlen._sync.record as record
+    import torchmetrics_varlen._engine.pack as pack
+    import torchmetrics_varlen._engine.record as record
 
     original = pack.pack
 

@@ -17,12 +17,11 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAUROC
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen import compute_on_rank, gather_all_tensors
-from torchmetrics_varlen._sync import engine as _engine
-from torchmetrics_varlen._sync import move
-from torchmetrics_varlen._sync import wait as _waits
-from torchmetrics_varlen._sync.group import GroupState, link, sent_cap
-from torchmetrics_varlen._sync.pack import Joined
+from torchmetrics_varlen import _engine, compute_on_rank, gather_all_tensors
+from torchmetrics_varlen._engine import move
+from torchmetrics_varlen._engine import wait as _waits
+from torchmetrics_varlen._engine.group import GroupState, link, sent_cap
+from torchmetrics_varlen._engine.pack import Joined
 
 DEADLINE = 60.0
 
@@ -90,7 +89,7 @@ def body_engine_asks_with_the_metric_device(rank, world_size):
     with _policies_asked(asked):
         sync_link = link(None, metric_device, 30.0, "sync of test", local if sizes[rank] else None)
     request = _engine.Request([entry], 7, "test", cat=[True], device=metric_device, cap=sent_cap(None))
-    synced = _engine.sync(request, sync_link)
+    synced = _engine.run(request, sync_link)
     assert synced is not None
     result = synced.results[0]
     assert isinstance(result, Joined) and result.tensor is not None

@@ -15,9 +15,9 @@ from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatri
 from torchmetrics.utilities.data import dim_zero_cat
 
 from torchmetrics_varlen import Metric, SoftF1Loss, SyncPeerError, SyncTimeoutError, rebase
-from torchmetrics_varlen._sync import group as _group
-from torchmetrics_varlen._sync import plan as _plan
-from torchmetrics_varlen._sync import record as _record
+from torchmetrics_varlen._engine import group as _group
+from torchmetrics_varlen._engine import plan as _plan
+from torchmetrics_varlen._engine import record as _record
 
 _REDUCE_ALWAYS = {"TORCHMETRICS_VARLEN_REDUCE": "always"}
 
@@ -304,9 +304,9 @@ def test_uneven_cat_state_gradients_are_exact(world_size):
 def test_int64_sums_split_into_float64_halves_are_bit_identical():
     # In process: what an all-reduce of the encoded halves gives (their float64 sum) decodes to torch.sum's int64
     # result, extreme values and wrap-around included.
-    from torchmetrics_varlen._sync.pack import _encode
-    from torchmetrics_varlen._sync.plan import ENC_INVERT, ENC_SPLIT
-    from torchmetrics_varlen._sync.unpack import _decode
+    from torchmetrics_varlen._engine.pack import _encode
+    from torchmetrics_varlen._engine.plan import ENC_INVERT, ENC_SPLIT
+    from torchmetrics_varlen._engine.unpack import _decode
 
     info = torch.iinfo(torch.int64)
     ranks = [
@@ -492,7 +492,7 @@ def test_inline_data_is_the_tensor_in_row_major_order(tensor):
     ],
 )
 def test_inline_results_are_every_ranks_states_stacked(dtypes):
-    from torchmetrics_varlen._sync import unpack
+    from torchmetrics_varlen._engine import unpack
 
     shapes = [(), (3,), (2, 2), (1,)]
     ranks = [
@@ -520,16 +520,15 @@ def test_inline_results_are_every_ranks_states_stacked(dtypes):
 # ------------------------------------------------------------------- an agreement beside another sync (issue 45)
 def body_agreement_beside_a_sync(rank, world_size, which):
     """Rank 0 runs a standalone agreement (a checkpoint's load check) while the others sync a metric."""
-    from torchmetrics_varlen import SyncMismatchError
-    from torchmetrics_varlen._sync import engine
-    from torchmetrics_varlen._sync.group import link
+    from torchmetrics_varlen import SyncMismatchError, _engine
+    from torchmetrics_varlen._engine.group import link
 
     metric = rebase(BinaryAccuracy)()
     metric.update(torch.tensor([0.9, 0.2]), torch.tensor([1, 0]))
     try:
         if rank == 0:
             sync_link = link(None, torch.device("cpu"), 30, "test")
-            engine.agree([1, 2, 3][:which], sync_link, "a load check")
+            _engine.agree([1, 2, 3][:which], sync_link, "a load check")
         else:
             metric.compute()
     except SyncMismatchError as err:
@@ -543,3 +542,38 @@ def test_an_agreement_beside_another_sync_is_a_named_error_on_every_rank(which):
     # size doesn't match expected size"): an agreement outside a sync travels as a record, so every rank raises.
     for rank, message in enumerate(run_distributed(body_agreement_beside_a_sync, 2, which, fresh=True, deadline=60)):
         assert message is not None and "different things" in message, (rank, message)
+
+
+def body_one_entry_point(rank, world_size):
+    """Counts the calls of ``_engine.run``, looked up at call time, through a rebased metric's and the hook's syncs."""
+    from torchmetrics_varlen import _engine, gather_all_tensors
+
+    calls = []
+    original = _engine.run
+
+    def counted(request, link):
+        calls.append(link.what)
+        return original(request, link)
+
+    _engine.run = counted
+    try:
+        metric = rebase(BinaryAccuracy)()
+        metric.update(torch.rand(3 + rank), torch.randint(0, 2, (3 + rank,)))
+        metric.compute()
+        after_compute = len(calls)
+        metric.compute()  # the cached value: still one sync (only the records move)
+        after_cached = len(calls)
+        gather_all_tensors(torch.arange(rank + 1))
+        return after_compute, after_cached, len(calls)
+    finally:
+        _engine.run = original
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_sync_enters_the_engine_through_run_once(world_size):
+    """``_engine.run`` is the one blocking entry point: each compute() and each hook call reaches it exactly once."""
+    for after_compute, after_cached, after_hook in run_distributed(body_one_entry_point, world_size):
+        if world_size == 1:  # no sync at all on one rank, as with stock
+            assert (after_compute, after_cached, after_hook) == (0, 0, 0)
+        else:
+            assert (after_compute, after_cached, after_hook) == (1, 2, 3)

@@ -27,7 +27,7 @@ from _metrics import Total
 from conftest import PG_TIMEOUT
 
 from torchmetrics_varlen import SyncError
-from torchmetrics_varlen._sync import wait
+from torchmetrics_varlen._engine import wait
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 3

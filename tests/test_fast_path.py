@@ -11,9 +11,8 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassStatScores
 from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, R2Score
 
-from torchmetrics_varlen import MetricCollection, rebase
-from torchmetrics_varlen._sync import engine
-from torchmetrics_varlen._sync.group import REGISTRY
+from torchmetrics_varlen import MetricCollection, _engine, rebase
+from torchmetrics_varlen._engine.group import REGISTRY
 
 CASES = [
     (BinaryAccuracy, {}, lambda n, g: (torch.rand(n, generator=g), torch.randint(0, 2, (n,), generator=g))),
@@ -28,7 +27,7 @@ CASES = [
 
 def _sent_rows(metric, syncs):
     """The rows ``metric``'s next ``syncs`` syncs sent in their record exchange."""
-    from torchmetrics_varlen._sync import comm
+    from torchmetrics_varlen._engine import comm
 
     sent = []
     original = comm.gather_equal
@@ -169,7 +168,7 @@ def body_device_record_longer_than_the_agreed_length(rank, world_size):
 def test_a_device_record_longer_than_the_agreed_length_is_exchanged_again(world_size):
     # Issue 43 item 6: the device path copied header and data into a buffer of the agreed length and raised on every
     # rank; now it sends what fits and exchanges again at the longest length, as the host path does.
-    from torchmetrics_varlen._sync.group import INITIAL_WORDS
+    from torchmetrics_varlen._engine.group import INITIAL_WORDS
 
     for words, got, expected, collectives in run_distributed(
         body_device_record_longer_than_the_agreed_length, world_size
@@ -238,4 +237,4 @@ def test_repeated_small_syncs_take_the_fast_path_and_equal_stock(world_size):
 
 
 def test_the_learnt_entries_are_bounded():
-    assert engine.LEARNT_KEPT <= 64
+    assert _engine.LEARNT_KEPT <= 64

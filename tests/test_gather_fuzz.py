@@ -421,29 +421,29 @@ def test_plan_cache_reuses_equal_tables_only():
     # through the cache.)
     from _helpers import describe, group_state
 
-    from torchmetrics_varlen._sync import engine
-    from torchmetrics_varlen._sync.group import Facts, Link, decide
+    from torchmetrics_varlen import _engine
+    from torchmetrics_varlen._engine.group import Facts, Link, decide
 
     cpu = torch.device("cpu")
     state = group_state(None, "gloo")  # a group's state, as the registry makes it
     link = Link(state, decide(Facts("gloo", cpu)), None, "t")
-    request = engine.Request([torch.ones(1)], 7, "t")  # the plan reads the request's ops, cat, dst and grad only
+    request = _engine.Request([torch.ones(1)], 7, "t")  # the plan reads the request's ops, cat, dst and grad only
 
     def table(*sizes, inline=False, fill=1.0):
         rows = [describe([torch.full((size,), fill)], 7, "t", inline=inline) for size in sizes]
         return torch.tensor(rows).numpy()
 
-    first = engine._plan(table(3, 5), request, link)
-    assert engine._plan(table(3, 5), request, link) is first and len(state.plans) == 1
-    other = engine._plan(table(4, 4), request, link)
+    first = _engine._plan(table(3, 5), request, link)
+    assert _engine._plan(table(3, 5), request, link) is first and len(state.plans) == 1
+    other = _engine._plan(table(4, 4), request, link)
     assert other is not first and other.entries[0].dense and not first.entries[0].dense
     assert first.nbytes.tolist() == [16, 32]  # 3 and 5 float32 elements, aligned to 16 bytes
-    inline = engine._plan(table(2, 2, inline=True), request, link)
-    assert inline.inline and engine._plan(table(2, 2, inline=True, fill=5.0), request, link) is inline
-    joined = engine._plan(table(3, 5), engine.Request([torch.ones(1)], 7, "t", cat=[True]), link)
+    inline = _engine._plan(table(2, 2, inline=True), request, link)
+    assert inline.inline and _engine._plan(table(2, 2, inline=True, fill=5.0), request, link) is inline
+    joined = _engine._plan(table(3, 5), _engine.Request([torch.ones(1)], 7, "t", cat=[True]), link)
     assert joined is not first and len(state.plans) == 4
     bad = torch.tensor([describe([torch.ones(2)], 7, "t"), describe([torch.ones(2)], 8, "t")]).numpy()
     for _ in range(2):
         with pytest.raises(SyncMismatchError, match="syncing different things"):
-            engine._plan(bad, request, link)
+            _engine._plan(bad, request, link)
     assert len(state.plans) == 4

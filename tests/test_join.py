@@ -11,7 +11,7 @@ from conftest import run_distributed
 from torch.distributed.algorithms.join import Join
 
 from torchmetrics_varlen import Metric, gather_all_tensors, join
-from torchmetrics_varlen._sync.group import REGISTRY
+from torchmetrics_varlen._engine.group import REGISTRY
 
 
 class BatchMSE(Metric):
@@ -253,9 +253,9 @@ def test_one_gloo_side_group_per_process_group_made_once(world_size):
 def body_join_exchanges_and_their_timeouts(rank, world_size):
     import threading
 
-    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen import _engine
 
-    original = engine.sync
+    original = _engine.run
     seen = []
 
     def recording(request, link):
@@ -266,14 +266,14 @@ def body_join_exchanges_and_their_timeouts(rank, world_size):
             seen.append(("running", link.timeout))
         return original(request, link)
 
-    engine.sync = recording  # looked up at each call
+    _engine.run = recording  # looked up at each call
     try:
         metric = BatchMSE(sync_timeout=17)
         with join(metric):
             for x, y in _batches(rank, STEPS[world_size][rank]):
                 metric(x[:, 0].double(), y)
     finally:
-        engine.sync = original
+        _engine.run = original
     return seen
 
 
@@ -444,11 +444,11 @@ class GuardedSum(Metric):
 
 
 def body_shadow_sees_only_cpu_tensors(rank, world_size):
-    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen import _engine
 
     MainThreadOnly.body_thread = threading.current_thread()
     MainThreadOnly.touched = []
-    original = engine.sync
+    original = _engine.run
     handed = []
 
     def recording(request, link):
@@ -458,7 +458,7 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
                     handed.append((type(tensor).__name__, str(tensor.device)))
         return original(request, link)
 
-    engine.sync = recording
+    _engine.run = recording
     try:
         metric = GuardedSum()
         steps = STEPS[world_size][rank]
@@ -468,7 +468,7 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
                 values.append(float(metric(torch.full((2,), float(rank + step), dtype=torch.float64))))
         epoch = float(metric.compute())
     finally:
-        engine.sync = original
+        _engine.run = original
     # Truth: at step s, every rank that still has a step s adds 2 * (rank + s).
     expected = [sum(2.0 * (r + s) for r in range(world_size) if s < STEPS[world_size][r]) for s in range(steps)]
     total = sum(2.0 * (r + s) for r in range(world_size) for s in range(STEPS[world_size][r]))
@@ -494,9 +494,9 @@ UNEVEN = {2: [6, 4], 3: [6, 4, 5]}
 
 
 def body_step_syncs_switch_groups_together(rank, world_size, with_model):
-    from torchmetrics_varlen._sync import engine
+    from torchmetrics_varlen import _engine
 
-    original = engine.sync
+    original = _engine.run
     groups = []
 
     def recording(request, link):
@@ -504,7 +504,7 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
             groups.append(link.group)
         return original(request, link)
 
-    engine.sync = recording
+    _engine.run = recording
     try:
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double()) if with_model else None
@@ -522,7 +522,7 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
                 seen_target.append(y.double())
         epoch = metric.compute()
     finally:
-        engine.sync = original
+        _engine.run = original
     side = REGISTRY.state(None).side
     where = ["side" if group is side else "own" if group is dist.group.WORLD else "other" for group in groups]
     return {"where": where, "values": values, "epoch": epoch, "expected": _single_process_mse(seen_preds, seen_target)}
@@ -686,8 +686,8 @@ def body_side_groups_of_disjoint_subgroups(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
     import torchmetrics_varlen as tv
-    from torchmetrics_varlen._sync import engine
-    from torchmetrics_varlen._sync.group import group_timeout, link
+    from torchmetrics_varlen import _engine
+    from torchmetrics_varlen._engine.group import group_timeout, link
 
     # A group of rank 0 alone, which every rank enters (torch 2.15 requires that: it salts every later group's name
     # with a count of the groups each rank entered): rank 0 now knows one group more than rank 2, its peer in "dp"
@@ -697,7 +697,7 @@ def body_side_groups_of_disjoint_subgroups(rank, world_size):
     out = {}
     for dim in ("dp", "tp"):  # "dp": {0, 2} and {1, 3}; then "tp": {0, 1} and {2, 3}, each pair at once
         group = tv.mesh_group(mesh, dim)
-        side = engine.side_link(link(group, torch.device("cpu"), None, "test"), None).group
+        side = _engine.side_link(link(group, torch.device("cpu"), None, "test"), None).group
         total = torch.tensor([rank + 1])
         dist.all_reduce(total, group=side)
         out[dim] = {
@@ -706,7 +706,7 @@ def body_side_groups_of_disjoint_subgroups(rank, world_size):
             "backend": dist.get_backend(side),
             "timeout": group_timeout(side, "cpu") == group_timeout(group, "cpu"),
             "name": side.group_name,
-            "cached": engine.side_link(link(group, torch.device("cpu"), None, "test"), None).group is side,
+            "cached": _engine.side_link(link(group, torch.device("cpu"), None, "test"), None).group is side,
         }
     return out
 

@@ -25,24 +25,23 @@ PACKAGE = ROOT / "torchmetrics_varlen"
 LAYERS = [
     "errors",
     # the engine's pure layers: nothing here communicates
-    "_sync.record",
-    "_sync.mismatch",
-    "_sync.plan",
-    "_sync.pack",
-    "_sync.unpack",
-    "_sync.objects",
-    "_sync.scalar_codec",
+    "_engine.record",
+    "_engine.mismatch",
+    "_engine.plan",
+    "_engine.pack",
+    "_engine.unpack",
+    "_engine.objects",
+    "_engine.scalar_codec",
     # state per group and the policy; then the one module that starts collectives, the one that waits for them
-    "_sync.group",
-    "_sync.comm",
-    "_sync.wait",
+    "_engine.group",
+    "_engine.comm",
+    "_engine.wait",
     # the data step, the API and its orchestration, metrics' states
-    "_sync.grad",
-    "_sync.move",
-    "_sync.engine",
-    "_sync.states",
-    "_sync.deferred",
-    "_sync",
+    "_engine.grad",
+    "_engine.move",
+    "_engine",
+    "_engine.states",
+    "_engine.deferred",
     # the public modules
     "sampler",
     "gather",
@@ -59,10 +58,18 @@ LAYERS = [
     "lightning",
     "",  # the package's __init__
 ]
-PURE = {"errors", "_sync.record", "_sync.mismatch", "_sync.plan", "_sync.pack", "_sync.unpack", "_sync.objects"}
-PURE |= {"_sync.scalar_codec"}
-ENGINE = [name for name in LAYERS if name.startswith("_sync")]
-PUBLIC = [name for name in LAYERS if not name.startswith("_sync") and name not in ("errors", "")]
+PURE = {
+    "errors",
+    "_engine.record",
+    "_engine.mismatch",
+    "_engine.plan",
+    "_engine.pack",
+    "_engine.unpack",
+    "_engine.objects",
+}
+PURE |= {"_engine.scalar_codec"}
+ENGINE = [name for name in LAYERS if name.startswith("_engine")]
+PUBLIC = [name for name in LAYERS if not name.startswith("_engine") and name not in ("errors", "")]
 # What the public modules may take from the group module: how to name a sync's link and the settings; never the
 # registry of group states, nor a state itself.
 PUBLIC_FROM_GROUP = {"link", "Link", "needs_sync", "parse_cap", "resolve_timeout", "default_timeout", "sent_cap"}
@@ -143,8 +150,8 @@ def test_pure_layers_import_nothing_that_communicates():
 def test_the_public_modules_call_the_engine_never_a_collective_nor_group_state():
     for module in PUBLIC:
         imports = _imports(module)
-        assert not {"_sync.comm", "_sync.wait"} & set(imports), (module, imports)
-        assert imports.get("_sync.group", set()) <= PUBLIC_FROM_GROUP, (module, imports["_sync.group"])
+        assert not {"_engine.comm", "_engine.wait"} & set(imports), (module, imports)
+        assert imports.get("_engine.group", set()) <= PUBLIC_FROM_GROUP, (module, imports["_engine.group"])
         source = _path(module).read_text()
         for private in ("REGISTRY", "GroupState", ".state.", "state.side", "._lock"):
             assert private not in source, (module, private)
@@ -163,10 +170,13 @@ def _collective_calls(path: Path) -> list[str]:
 
 def test_only_the_communication_layer_starts_collectives():
     outside = [
-        f"{module}: {call}" for module in LAYERS if module != "_sync.comm" for call in _collective_calls(_path(module))
+        f"{module}: {call}"
+        for module in LAYERS
+        if module != "_engine.comm"
+        for call in _collective_calls(_path(module))
     ]
     assert not outside, "\n".join(outside)
-    assert _collective_calls(_path("_sync.comm"))  # the check sees the calls where they are
+    assert _collective_calls(_path("_engine.comm"))  # the check sees the calls where they are
 
 
 def test_the_check_tells_a_collective_from_a_tensor_operation(tmp_path):
@@ -182,12 +192,12 @@ def test_the_check_tells_a_collective_from_a_tensor_operation(tmp_path):
 # ---------------------------------------------------------------------------------- process-global mutable objects
 # Each with why it is process-global (the budget is at most 6).
 GLOBALS = {
-    "_sync.group.REGISTRY": "a group's state must outlive the metrics that sync on it",
-    "_sync.wait.NOTES": "notes are per process (one key per global rank), and the exit handler needs them",
-    "_sync.states._class_layout": "what a set of metric classes syncs, asked at every per-step sync",
+    "_engine.group.REGISTRY": "a group's state must outlive the metrics that sync on it",
+    "_engine.wait.NOTES": "notes are per process (one key per global rank), and the exit handler needs them",
+    "_engine.states._class_layout": "what a set of metric classes syncs, asked at every per-step sync",
     "metric.rebase": "one rebased class per stock class, so that instances pickle and compare",
     "metric._rebased_meta": "one metaclass per stock metaclass, registered once with copyreg",
-    "_sync.deferred.WORKER": "one thread runs every pending compute_async sync in call order, the order of every rank",
+    "_engine.deferred.WORKER": "one thread runs every pending compute_async sync in call order, as every rank calls",
 }
 _MUTABLE = (
     dict, list, set, bytearray, OrderedDict, defaultdict, deque, weakref.WeakKeyDictionary,
@@ -241,8 +251,8 @@ def _calls(name: str) -> list[str]:
 
 def test_two_kinds_of_thread_and_one_exit_handler():
     # The pending syncs' worker (compute_async) and the Join worker; both drive gloo side groups only.
-    assert _calls("threading.Thread") == ["_sync.deferred", "join"]
-    assert _calls("atexit.register") == ["_sync.wait"]
+    assert _calls("threading.Thread") == ["_engine.deferred", "join"]
+    assert _calls("atexit.register") == ["_engine.wait"]
     assert len(_calls("atexit.register")) == 1
 
 

@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from _helpers import MadeUpGroup, group_state
 
-from torchmetrics_varlen._sync import comm as _transport
-from torchmetrics_varlen._sync import group as _policy
-from torchmetrics_varlen._sync import wait as _waits
-from torchmetrics_varlen._sync.group import Facts, decide
+from torchmetrics_varlen._engine import comm as _transport
+from torchmetrics_varlen._engine import group as _policy
+from torchmetrics_varlen._engine import wait as _waits
+from torchmetrics_varlen._engine.group import Facts, decide
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 NAMES = ["nccl", "nccl2", "nccl-lazy", "nccl-legacy"]

@@ -12,10 +12,10 @@ import torch
 from _helpers import describe
 from torchmetrics.utilities.data import dim_zero_cat
 
-from torchmetrics_varlen._sync import pack, record, unpack
-from torchmetrics_varlen._sync.pack import Joined, Stacked
-from torchmetrics_varlen._sync.plan import make_plan
-from torchmetrics_varlen._sync.record import Ref
+from torchmetrics_varlen._engine import pack, record, unpack
+from torchmetrics_varlen._engine.pack import Joined, Stacked
+from torchmetrics_varlen._engine.plan import make_plan
+from torchmetrics_varlen._engine.record import Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 
 CPU = torch.device("cpu")

@@ -5,10 +5,10 @@ import torch
 from _helpers import MadeUpGroup, forced_policy, group_state
 from conftest import run_distributed
 
-from torchmetrics_varlen._sync import group as _policy
-from torchmetrics_varlen._sync import wait as _waits
-from torchmetrics_varlen._sync.group import Facts, buffer_device, decide, wait_mode
-from torchmetrics_varlen._sync.wait import PeerFailedError, wait_for
+from torchmetrics_varlen._engine import group as _policy
+from torchmetrics_varlen._engine import wait as _waits
+from torchmetrics_varlen._engine.group import Facts, buffer_device, decide, wait_mode
+from torchmetrics_varlen._engine.wait import PeerFailedError, wait_for
 
 CPU, CUDA0, CUDA1, CUDA2 = (torch.device("cpu"), *(torch.device("cuda", i) for i in range(3)))
 TWO = "cpu:gloo,cuda:nccl"
@@ -268,7 +268,7 @@ def test_the_group_policy_is_decided_once_per_facts(monkeypatch):
 
 
 def body_forced_policy(rank, world_size):
-    from torchmetrics_varlen._sync.group import REGISTRY
+    from torchmetrics_varlen._engine.group import REGISTRY
 
     state = REGISTRY.state(None)
     before = state.policy(CPU, None)

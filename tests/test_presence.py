@@ -16,7 +16,7 @@ from _metrics import Total
 from conftest import run_distributed
 
 from torchmetrics_varlen import SyncTimeoutError
-from torchmetrics_varlen._sync import wait
+from torchmetrics_varlen._engine import wait
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def test_peers_that_never_wrote_a_note_read_as_no_note_and_generations_never_mix
 def body_store_calls_per_look(rank, world_size):
     """The last rank never syncs; the others count the store operations of each look at where the peers are."""
     if rank == world_size - 1:  # listed in the roster (it wrote a note once), its notes empty: still missing
-        from torchmetrics_varlen._sync.group import REGISTRY
+        from torchmetrics_varlen._engine.group import REGISTRY
 
         wait.NOTES.write("waiting", "", wait.NOTES.store(), rank, REGISTRY.state(None).generation)
         time.sleep(6)

@@ -17,10 +17,10 @@ from torchmetrics.classification import BinaryAUROC
 from torchmetrics.retrieval import RetrievalMAP
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen._sync import group as _cap
-from torchmetrics_varlen._sync import move as _broadcast
-from torchmetrics_varlen._sync import pack
-from torchmetrics_varlen._sync import plan as _plan
+from torchmetrics_varlen._engine import group as _cap
+from torchmetrics_varlen._engine import move as _broadcast
+from torchmetrics_varlen._engine import pack
+from torchmetrics_varlen._engine import plan as _plan
 from torchmetrics_varlen.onerank import compute_on_rank
 
 SKEWED = 8  # the big rank holds this many times the others' samples
@@ -513,7 +513,7 @@ def body_rounds_in_flight(rank, world_size):
     gloo's list all-gather takes equal parts only: here each round runs as NCCL runs one of unequal parts, a
     broadcast from each rank (the last one's work stands for the round).
     """
-    from torchmetrics_varlen._sync import comm, wait
+    from torchmetrics_varlen._engine import comm, wait
 
     events = []
     wait_all = wait.wait_all

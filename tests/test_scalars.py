@@ -243,7 +243,7 @@ def test_the_benchmark_counts_what_each_way_costs():
 
 def body_dense(rank, world_size):
     """Every rank has every key: its record carries the whole layout (a bitmap and every key's words)."""
-    from torchmetrics_varlen._sync import scalar_codec as _scalar_record
+    from torchmetrics_varlen._engine import scalar_codec as _scalar_record
 
     log = ScalarLog(reduce={"n": "sum", "hi": "max", "lo": "min"})
     out = []

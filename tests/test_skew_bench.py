@@ -11,7 +11,7 @@ from conftest import run_distributed
 
 from benchmarks import skew
 from tests._meters import ByteMeter
-from torchmetrics_varlen._sync.group import INITIAL_WORDS
+from torchmetrics_varlen._engine.group import INITIAL_WORDS
 
 SIZE_CASES = {
     2: [skew.skew_sizes(2, 500, 8), [700, 700]],

@@ -266,7 +266,7 @@ def test_mixed_sync_grads_raises_on_every_rank(world_size):
 def body_host_states_with_cuda(rank, world_size, nccl_ranks, touched):
     """The group reads as NCCL-served on ``nccl_ranks``; CUDA reads as used (``pin_memory``, a query) if ``touched``."""
     from torchmetrics_varlen import SoftF1Loss
-    from torchmetrics_varlen._sync.group import REGISTRY
+    from torchmetrics_varlen._engine.group import REGISTRY
 
     real = torch.cuda.is_initialized
     torch.cuda.is_initialized = lambda: touched  # a process that merely touched CUDA is no reason to refuse

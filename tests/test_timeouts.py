@@ -24,7 +24,7 @@ from torchmetrics_varlen import (
     join,
     rebase,
 )
-from torchmetrics_varlen._sync import group, wait
+from torchmetrics_varlen._engine import group, wait
 from torchmetrics_varlen.onerank import compute_on_rank
 
 

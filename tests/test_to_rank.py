@@ -13,8 +13,8 @@ from conftest import run_distributed
 from torchmetrics.classification import BinaryAUROC
 
 import torchmetrics_varlen as tv
-from torchmetrics_varlen._sync import group as _policy
-from torchmetrics_varlen._sync import pack as _to_rank
+from torchmetrics_varlen._engine import group as _policy
+from torchmetrics_varlen._engine import pack as _to_rank
 from torchmetrics_varlen.onerank import compute_on_rank
 
 

@@ -22,10 +22,10 @@ from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen._sync import scalar_codec as _rec
-from torchmetrics_varlen._sync.engine import agree
-from torchmetrics_varlen._sync.group import Link, link, resolve_timeout
-from torchmetrics_varlen._sync.states import metrics_device, sync_states
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine import scalar_codec as _rec
+from torchmetrics_varlen._engine.group import Link, link, resolve_timeout
+from torchmetrics_varlen._engine.states import metrics_device, sync_states
 from torchmetrics_varlen.scalars import ScalarLog
 
 __all__ = [
@@ -250,7 +250,7 @@ def merged_state_dict(metric_or_collection: Any) -> dict[str, Any]:
 def _agree_or_raise(problem: str | None, sync_link: Link | None, what: str, where: str) -> None:
     """Every rank raises `MergedStateError` when any rank found a problem (one tiny exchange), naming the ranks."""
     words = [int(problem is not None)]
-    table = agree(words, sync_link, what) if sync_link is not None else [words]
+    table = _engine.agree(words, sync_link, what) if sync_link is not None else [words]
     if not (failing := [rank for rank, row in enumerate(table) if row[0]]):
         return
     if problem is None:
@@ -495,7 +495,7 @@ class ShardedState:
         except Exception:  # an object pickle refuses: every rank raises below, naming this one
             failure = 1
         words = [failure, blob.numel(), *compared]
-        table = agree(words, sync_link, "shares of a sharded state") if sync_link is not None else [words]
+        table = _engine.agree(words, sync_link, "shares of a sharded state") if sync_link is not None else [words]
         if failing := [r for r, row in enumerate(table) if row[0]]:
             raise MergedStateError(
                 f"Expected every list state of {where} to be picklable (each rank's lists are saved as one pickle) but"

@@ -11,9 +11,9 @@ from typing import Any
 from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
-from torchmetrics_varlen._sync import deferred
-from torchmetrics_varlen._sync.group import link, parse_cap, resolve_timeout
-from torchmetrics_varlen._sync.states import metrics_device, sync_states
+from torchmetrics_varlen._engine import deferred
+from torchmetrics_varlen._engine.group import link, parse_cap, resolve_timeout
+from torchmetrics_varlen._engine.states import metrics_device, sync_states
 from torchmetrics_varlen.metric import Metric, is_coalescing_sync_fn, set_states
 
 __all__ = ["MetricCollection"]

@@ -5,11 +5,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync import engine
-from torchmetrics_varlen._sync.grad import differentiable_dtype
-from torchmetrics_varlen._sync.group import default_timeout, link, sent_cap
-from torchmetrics_varlen._sync.pack import Stacked
-from torchmetrics_varlen._sync.record import FLAG_DIFF, context_hash
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine.grad import differentiable_dtype
+from torchmetrics_varlen._engine.group import default_timeout, link, sent_cap
+from torchmetrics_varlen._engine.pack import Stacked
+from torchmetrics_varlen._engine.record import FLAG_DIFF, context_hash
 from torchmetrics_varlen.errors import SyncTimeoutError
 
 __all__ = ["gather_all_tensors"]
@@ -82,7 +82,7 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
     sync_link = link(group, None, default_timeout(), f"sync of {label}", result.device)
     if sync_link is None:
         return [result]
-    request = engine.Request(
+    request = _engine.Request(
         [result],
         _GRAD_CONTEXT if sync_grads else _HOOK_CONTEXT,
         label,
@@ -93,7 +93,7 @@ def gather_all_tensors(result: Tensor, group: Any | None = None, *, sync_grads: 
         grad="always",
     )
     try:
-        synced = engine.sync(request, sync_link)
+        synced = _engine.run(request, sync_link)
     except SyncTimeoutError as err:  # the waiting ranks: name the case the hook cannot help with
         raise SyncTimeoutError(str(err) + HOOK_LIMIT) from err
     assert synced is not None  # no `stop` given

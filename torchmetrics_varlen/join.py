@@ -5,7 +5,7 @@
 
 * DDP's join hook shadows a running rank's forward and backward collectives in one call, so a joined rank cannot put
   the metric's step sync between them on the same group: once some rank has joined (decided by every rank alike, from
-  Join's count of the running ranks), the step syncs travel on a gloo side group (``engine.side_link``), shadowed from
+  Join's count of the running ranks), the step syncs travel on a gloo side group (``_engine.side_link``), shadowed from
   a worker thread. Gloo whatever the backend: NCCL must not be driven from two threads at once, and the worker never
   touches CUDA (it sends CPU copies of the defaults, made on the main thread).
 * One side group carries every metric of a join: the worker sends the empty batch of the metric it expects
@@ -30,10 +30,11 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._sync import deferred, engine
-from torchmetrics_varlen._sync.group import Link, link
-from torchmetrics_varlen._sync.record import FLAG_SHADOW, H_CONTEXT, H_FLAGS, HEADER_LEN, context_hash
-from torchmetrics_varlen._sync.states import StateDict, layout, layout_text, reduce_results, run
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine import deferred
+from torchmetrics_varlen._engine.group import Link, link
+from torchmetrics_varlen._engine.record import FLAG_SHADOW, H_CONTEXT, H_FLAGS, HEADER_LEN, context_hash
+from torchmetrics_varlen._engine.states import StateDict, layout, layout_text, reduce_results, run
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["JoinShadowError", "join"]
@@ -108,7 +109,7 @@ def _terminate(side: Link) -> None:
         seen.append(table)
         return True
 
-    engine.sync(engine.Request([], TERMINATE, "Join.terminate", stop=stop), side)
+    _engine.run(_engine.Request([], TERMINATE, "Join.terminate", stop=stop), side)
     _raise_if_failed(side, seen[0])
 
 
@@ -139,7 +140,7 @@ class _Session(JoinHook):
         assert own is not None  # `join` makes a session only in a group to sync
         self.own = own
         # Made by every rank of the world the first time (each builds its join at the same point); kept after.
-        self.side = engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
+        self.side = _engine.side_link(own, None)  # the worker waits up to the group's own timeout (module docstring)
         deferred.hold(self.side, True)  # pending compute_async syncs on it first, none until `detach`: one driver
         self.contexts = [step_context(metric, position) for position, metric in enumerate(self.metrics)]
         self.joined = not counted
@@ -158,7 +159,7 @@ class _Session(JoinHook):
     def _on_forward(self, module: Any, args: Any) -> None:
         # Runs instead of DDP's own notify (DDP is not the first joinable here), at the same point of its forward,
         # and hands DDP the work as its own notify would.
-        work = engine.count_running(self.notifier)
+        work = _engine.count_running(self.notifier)
         if work is not None:
             module.reducer._set_forward_pass_work_handle(work, module._divide_by_initial_world_size)
             self._pending = work
@@ -168,12 +169,12 @@ class _Session(JoinHook):
         if not self.notifier._join_config.enable:
             return None
         if self.ddp is None and self.counted:
-            work = engine.count_running(self.notifier)
+            work = _engine.count_running(self.notifier)
             if work is not None:
                 self._pending = work
         work, self._pending = self._pending, None
         if work is not None and not self.joined:
-            self.joined = engine.running(work, self.own) < self.own.size
+            self.joined = _engine.running(work, self.own) < self.own.size
         if not self.joined:
             return None
         position = next(index for index, member in enumerate(self.metrics) if member is metric)  # not `==`
@@ -182,7 +183,7 @@ class _Session(JoinHook):
         def stop(table: Tensor) -> bool:
             return verdict(table, self.contexts)[0] == RETRY
 
-        synced: engine.Synced | None = None
+        synced: _engine.Synced | None = None
         while synced is None:  # None: a worker expected another metric of the join, and every rank runs it again
             step_layout = layout([metric], "step")
             step_layout.context = self.contexts[position]
@@ -258,8 +259,8 @@ class _Session(JoinHook):
             if at_boundary:  # else an exchange is half done: the peers end in a timeout or a mismatch instead
                 # A record the running ranks' per-step sync refuses, naming this rank, instead of an empty batch.
                 with contextlib.suppress(Exception):  # the original error is what gets reported
-                    request = engine.Request([], FAILED, f"Join failed on rank {rank}", stop=lambda table: True)
-                    engine.sync(request, self.side)
+                    request = _engine.Request([], FAILED, f"Join failed on rank {rank}", stop=lambda table: True)
+                    _engine.run(request, self.side)
 
     def _shadow_once(self, index: int) -> tuple[str, int]:
         """One exchange as a rank with an empty batch of metric ``index``: what the table said."""

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from torchmetrics import Metric as StockMetric
 from torchmetrics import MetricCollection as StockMetricCollection
 
-from torchmetrics_varlen._sync.engine import agree
-from torchmetrics_varlen._sync.group import link
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine.group import link
 from torchmetrics_varlen.checkpoint import MergedState, MergedStateError
 from torchmetrics_varlen.sampler import UnpaddedDistributedSampler
 from torchmetrics_varlen.scalars import ScalarLog
@@ -151,7 +151,7 @@ class ExactEvaluation(Callback):  # type: ignore[misc,valid-type]
         sync_link = link(group, trainer.strategy.root_device, None, f"the {what} check of ExactEvaluation")
         if sync_link is None or not counts:
             return None
-        table = agree([-1 if c == float("inf") else int(c) for c in counts], sync_link, what)
+        table = _engine.agree([-1 if c == float("inf") else int(c) for c in counts], sync_link, what)
         if all(row == table[0] for row in table):
             return None
         rows = [row if len(counts) > 1 else row[0] for row in table]

@@ -4,7 +4,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from torchmetrics_varlen._sync.engine import flattened_group
+from torchmetrics_varlen import _engine
 
 __all__ = ["mesh_group"]
 
@@ -53,4 +53,4 @@ def mesh_group(mesh: Any, dims: str | Sequence[str]) -> Any:
     # Ranks of every slice along `wanted`: the other dimensions first, the wanted ones last, flattened into rows.
     axes = [i for i, name in enumerate(names) if name not in wanted] + [names.index(name) for name in wanted]
     size = math.prod(mesh.mesh.shape[names.index(name)] for name in wanted)
-    return flattened_group(mesh, wanted, lambda: mesh.mesh.permute(axes).reshape(-1, size).tolist())
+    return _engine.flattened_group(mesh, wanted, lambda: mesh.mesh.permute(axes).reshape(-1, size).tolist())

@@ -18,9 +18,9 @@ from torchmetrics.utilities import distributed as _tm_distributed
 from torchmetrics.utilities.data import _squeeze_if_scalar
 from torchmetrics.utilities.prints import rank_zero_warn
 
-from torchmetrics_varlen._sync import deferred
-from torchmetrics_varlen._sync.group import link, needs_sync, parse_cap, resolve_timeout
-from torchmetrics_varlen._sync.states import StateDict, sync_states
+from torchmetrics_varlen._engine import deferred
+from torchmetrics_varlen._engine.group import link, needs_sync, parse_cap, resolve_timeout
+from torchmetrics_varlen._engine.states import StateDict, sync_states
 from torchmetrics_varlen.gather import gather_all_tensors
 
 __all__ = ["Metric", "rebase"]

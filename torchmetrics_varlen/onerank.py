@@ -15,10 +15,11 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._sync import engine, move
-from torchmetrics_varlen._sync.group import default_timeout, link
-from torchmetrics_varlen._sync.record import FLAG_CACHED
-from torchmetrics_varlen._sync.states import Layout, every_rank_cached, layout, reduce_results, run
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine import move
+from torchmetrics_varlen._engine.group import default_timeout, link
+from torchmetrics_varlen._engine.record import FLAG_CACHED
+from torchmetrics_varlen._engine.states import Layout, every_rank_cached, layout, reduce_results, run
 from torchmetrics_varlen.metric import Metric
 
 __all__ = ["compute_on_rank"]
@@ -107,7 +108,7 @@ def one_rank_compute(metric: StockMetric, dst: int, local: Callable[[], Any]) ->
     return value
 
 
-def _compute_here(metric: StockMetric, sync_layout: Layout, synced: engine.Synced) -> tuple[bool, Any]:
+def _compute_here(metric: StockMetric, sync_layout: Layout, synced: _engine.Synced) -> tuple[bool, Any]:
     """On the destination: reduce the states (dropping the gathered buffers), compute; any error is the outcome."""
     try:
         names = [name for _, name in sync_layout.classes.keys]

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 from torchmetrics.utilities import rank_zero_warn
 
-from torchmetrics_varlen._sync import engine
-from torchmetrics_varlen._sync import scalar_codec as _rec
-from torchmetrics_varlen._sync.group import link, sent_cap
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine import scalar_codec as _rec
+from torchmetrics_varlen._engine.group import link, sent_cap
 from torchmetrics_varlen.gather import gather_all_tensors
 from torchmetrics_varlen.metric import Metric
 
@@ -182,7 +182,7 @@ class ScalarLog(Metric):
         """One exchange of the window ``acc`` over ``sync_link``; the agreed key layout grows by its new keys."""
         label = f"{type(self).__name__}.compute"
         record = _rec.make_record(acc, self._layout, self._named, label, sent_cap(self.sync_cap))
-        new_names, new_codes, results = engine.exchange(
+        new_names, new_codes, results = _engine.exchange(
             list(record), sync_link, lambda table: _rec.reduce_table(table, self._layout, sync_link.what)
         )
         self._layout.extend(new_names, new_codes)

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchmetrics_varlen._sync.group import SHARED_GPU_FIX, GroupState, Link, group_timeout, is_nccl
+from torchmetrics_varlen._engine.group import SHARED_GPU_FIX, GroupState, Link, group_timeout, is_nccl
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
 # Our timeout fires this much before the group's own (at most 10 s, at least 0.5 s).

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync.plan import EntryPlan
-from torchmetrics_varlen._sync.record import (
+from torchmetrics_varlen._engine.plan import EntryPlan
+from torchmetrics_varlen._engine.record import (
     DTYPES,
     KIND_LIST,
     OBJECT_ITEMS,

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torchmetrics import Metric as StockMetric
 
-from torchmetrics_varlen._sync import engine, states, wait
-from torchmetrics_varlen._sync.group import GroupState, Link
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine import states, wait
+from torchmetrics_varlen._engine.group import GroupState, Link
 from torchmetrics_varlen.errors import SyncPeerError, SyncTimeoutError
 
 _LOOK = wait.NOTE_AFTER + wait.STORE_ANSWER + 1.0  # a wait's look at the peers' notes after its timeout, at most
@@ -138,10 +139,10 @@ def submit(
     """Queue ``run`` on the side group of ``group_link``'s group: its future, also appended to ``owner._tv_pending``.
 
     At ``owner.max_in_flight`` pending, first waits for the oldest; while a ``join`` drives the side group (made at
-    the first call: :func:`.engine.side_link`), ``owner.compute()`` at once.
+    the first call: :func:`._engine.side_link`), ``owner.compute()`` at once.
     """
     stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    side = engine.side_link(group_link, group_link.timeout)
+    side = _engine.side_link(group_link, group_link.timeout)
     if side.state.held:
         return finished(owner.compute)
     side = replace(side, what=f"{group_link.what} (compute_async)")

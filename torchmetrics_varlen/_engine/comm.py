@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen._sync.group import SHARED_GPU_FIX, ProcessGroup, bound_device, shared_gpu_hint
-from torchmetrics_varlen._sync.pack import Piece
-from torchmetrics_varlen._sync.plan import OP_MAX, OP_MIN, OP_SUM
+from torchmetrics_varlen._engine.group import SHARED_GPU_FIX, ProcessGroup, bound_device, shared_gpu_hint
+from torchmetrics_varlen._engine.pack import Piece
+from torchmetrics_varlen._engine.plan import OP_MAX, OP_MIN, OP_SUM
 
 Work = Any  # torch.distributed's Work, or Join's all-reduce work
 _OPS = MappingProxyType({OP_SUM: "SUM", OP_MAX: "MAX", OP_MIN: "MIN"})

@@ -2,7 +2,7 @@
 
 Everything a sync keeps between syncs lives in one :class:`GroupState` per (process group, generation), held by the
 one registry (:data:`REGISTRY`): the group's rank and size, its backend and the policies decided for it, its agreed
-record length, its plan cache and the repeated syncs it learnt (the fast path, see :mod:`.engine`), the limits of its
+record length, its plan cache and the repeated syncs it learnt (the fast path), the limits of its
 waits, its send buffers and its side group (a gloo group of the same ranks, for the Join worker). A group destroyed
 takes its state along (weakly keyed); a world initialised again is a new generation, whose store keys differ.
 
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen._sync.plan import Plan
-from torchmetrics_varlen._sync.record import MAX_WORDS, record_words
+from torchmetrics_varlen._engine.plan import Plan
+from torchmetrics_varlen._engine.record import MAX_WORDS, record_words
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; kept loose because its import path moved between torch releases
 
@@ -350,7 +350,9 @@ class GroupState:
     group_seconds: dict[str, float] = field(default_factory=dict)
     limits: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # the waits' limits (:mod:`.wait`)
     plans: "OrderedDict[tuple[Any, ...], Plan]" = field(default_factory=OrderedDict)
-    learnt: "OrderedDict[Any, Any]" = field(default_factory=OrderedDict)  # the fast path's entries (:mod:`.engine`)
+    learnt: "OrderedDict[Any, Any]" = field(
+        default_factory=OrderedDict
+    )  # the fast path's entries (:mod:`~torchmetrics_varlen._engine`)
     send_buffers: dict[torch.device, Tensor] = field(default_factory=dict)
     side: ProcessGroup | None = None  # the gloo group of the same ranks (the Join worker, compute_async), once made
     broken: BaseException | None = None  # a pending sync here failed, leaving a collective pending (:mod:`.deferred`)

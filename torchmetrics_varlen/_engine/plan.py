@@ -21,8 +21,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync.mismatch import ObjectsBesideTensorsError, check_headers, raise_uneven, refuse_host_grad
-from torchmetrics_varlen._sync.record import (
+from torchmetrics_varlen._engine.mismatch import (
+    ObjectsBesideTensorsError,
+    check_headers,
+    raise_uneven,
+    refuse_host_grad,
+)
+from torchmetrics_varlen._engine.record import (
     ALIGN,
     DTYPES,
     E_DIMS,

@@ -1,6 +1,6 @@
 """Logged scalars: the local accumulators, the key layout the ranks agree on, and the record that carries both.
 
-A :class:`~torchmetrics_varlen.ScalarLog` sync brings its own record to :func:`.engine.exchange` (the group's agreed
+A :class:`~torchmetrics_varlen.ScalarLog` sync brings its own record to :func:`._engine.exchange` (the group's agreed
 record length, its timeouts, the errors naming missing ranks): a protocol header with no entries (so a rank syncing a
 metric at the same step raises `SyncMismatchError` alike, through ``mismatch.check_headers``) followed by:
 
@@ -31,9 +31,9 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync import record as _protocol
-from torchmetrics_varlen._sync.mismatch import check_headers
-from torchmetrics_varlen._sync.record import MAX_WORDS
+from torchmetrics_varlen._engine import record as _protocol
+from torchmetrics_varlen._engine.mismatch import check_headers
+from torchmetrics_varlen._engine.record import MAX_WORDS
 from torchmetrics_varlen.errors import SyncMismatchError
 
 REDUCTIONS = ("mean", "sum", "max", "min")

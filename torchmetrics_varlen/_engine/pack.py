@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync.plan import ENC_INVERT, ENC_SPLIT, ROUTE_BCAST, Plan, Section
-from torchmetrics_varlen._sync.record import KIND_LIST, LocalEntry, Ref, resolved, shape_slots
+from torchmetrics_varlen._engine.plan import ENC_INVERT, ENC_SPLIT, ROUTE_BCAST, Plan, Section
+from torchmetrics_varlen._engine.record import KIND_LIST, LocalEntry, Ref, resolved, shape_slots
 
 
 class Stacked:

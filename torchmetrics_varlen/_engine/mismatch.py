@@ -11,7 +11,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync.record import (
+from torchmetrics_varlen._engine.record import (
     DTYPES,
     ERR_DIM,
     ERR_DTYPE,

@@ -25,12 +25,13 @@ from torch import Tensor
 from torchmetrics import Metric as StockMetric
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_max, dim_zero_mean, dim_zero_min, dim_zero_sum
 
-from torchmetrics_varlen._sync import engine, move, objects, record
-from torchmetrics_varlen._sync.group import Link, sent_cap
-from torchmetrics_varlen._sync.mismatch import ObjectsBesideTensorsError
-from torchmetrics_varlen._sync.pack import Joined, Reduced, Result, Stacked
-from torchmetrics_varlen._sync.plan import OP_MAX, OP_MEAN, OP_MIN, OP_NONE, OP_SUM, Plan
-from torchmetrics_varlen._sync.record import Entry, LocalEntry, ObjectList, Ref
+from torchmetrics_varlen import _engine
+from torchmetrics_varlen._engine import move, objects, record
+from torchmetrics_varlen._engine.group import Link, sent_cap
+from torchmetrics_varlen._engine.mismatch import ObjectsBesideTensorsError
+from torchmetrics_varlen._engine.pack import Joined, Reduced, Result, Stacked
+from torchmetrics_varlen._engine.plan import OP_MAX, OP_MEAN, OP_MIN, OP_NONE, OP_SUM, Plan
+from torchmetrics_varlen._engine.record import Entry, LocalEntry, ObjectList, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 
 StateDict = dict[str, Any]
@@ -215,7 +216,7 @@ def sync_states(
         # The engine's fast path: dense tensors, each its own object, no graph, no mean. Keyed by what the header and
         # slots follow from (of the policy: its reduce flag; its device is checked with the states').
         key = (classes, label, flags, cap, link.policy.reduce, tuple([(state.dtype, state.shape) for state in states]))
-        request = engine.Request(
+        request = _engine.Request(
             states,
             classes.context,
             label,
@@ -229,7 +230,7 @@ def sync_states(
             stop=stop,
             key=key,
         )
-        synced = engine.sync(request, link)
+        synced = _engine.run(request, link)
         if synced is None:
             return None
         if synced.blocks and len(synced.blocks) == len(synced.plan.groups) and not synced.plan.differentiable:
@@ -254,7 +255,7 @@ def every_rank_cached(table: Tensor) -> bool:
     return bool((table[:, record.H_FLAGS] & record.FLAG_CACHED).all())
 
 
-def _fused_states(count: int, classes: ClassLayout, synced: engine.Synced) -> list[StateDict]:
+def _fused_states(count: int, classes: ClassLayout, synced: _engine.Synced) -> list[StateDict]:
     """The states of a sync whose data rode in the records: integer sums, maxima and minima a whole group at once."""
     out: list[StateDict] = [{} for _ in range(count)]
     for group, block in synced.blocks:
@@ -286,13 +287,13 @@ def run(
     stop: Callable[[Tensor], bool] | None = None,
     device: torch.device | None = None,
     cap: int | None = None,
-) -> engine.Synced | None:
+) -> _engine.Synced | None:
     """Run the engine on a layout: its entries, reductions and flags (a graph-carrying state sets ``FLAG_GRAD``).
 
     ``device`` replaces the layout's (the metrics' device) as where empty entries' results go: the Join worker,
     which must never touch CUDA, passes the CPU.
     """
-    request = engine.Request(
+    request = _engine.Request(
         sync_layout.entries,
         sync_layout.context,
         label,
@@ -308,16 +309,16 @@ def run(
         stop,
     )
     try:
-        return engine.sync(request, link)
+        return _engine.run(request, link)
     except ObjectsBesideTensorsError as mixed:  # raised alike on every rank, before any data moved: sync again
         for position in mixed.positions:  # `request.entries` is this list: encoded in place
             entry = sync_layout.entries[position]
             if isinstance(entry, list) and not isinstance(entry, ObjectList):
                 sync_layout.entries[position] = objects.encode(entry, always=True)
-    return engine.sync(request, link)
+    return _engine.run(request, link)
 
 
-def _load_objects_on_every_rank(sync_layout: Layout, synced: engine.Synced, link: Link) -> bool:
+def _load_objects_on_every_rank(sync_layout: Layout, synced: _engine.Synced, link: Link) -> bool:
     """Load list states' objects, then agree that every rank could (a tiny all-gather where the records show some)."""
     positions = objects.object_positions(synced.plan.entries)
     if not positions:
@@ -331,7 +332,7 @@ def _load_objects_on_every_rank(sync_layout: Layout, synced: engine.Synced, link
 
 
 def reduce_results(
-    sync_layout: Layout, synced: engine.Synced, where: Callable[[int], str], loaded: bool = False
+    sync_layout: Layout, synced: _engine.Synced, where: Callable[[int], str], loaded: bool = False
 ) -> list[Any]:
     """Reduce every entry's result with its reduction, as stock does with the gathered states.
 

@@ -1,4 +1,4 @@
-"""The data step of a sync (:func:`data_step`: steps 4-6 of :mod:`.engine`), and the engine's small exchanges.
+"""The data step of a sync (:func:`data_step`: steps 4-6 of the engine), and the engine's small exchanges.
 
 :func:`agree` is one tiny all-gather (the memory check, the objects loaded, the members of side groups);
 :func:`share` sends one rank's bytes to every rank (``compute_on_rank``'s result).
@@ -10,12 +10,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync import comm, grad, pack, unpack, wait
-from torchmetrics_varlen._sync.group import Link
-from torchmetrics_varlen._sync.mismatch import memory_message
-from torchmetrics_varlen._sync.pack import Result
-from torchmetrics_varlen._sync.plan import Plan
-from torchmetrics_varlen._sync.record import LocalEntry
+from torchmetrics_varlen._engine import comm, grad, pack, unpack, wait
+from torchmetrics_varlen._engine.group import Link
+from torchmetrics_varlen._engine.mismatch import memory_message
+from torchmetrics_varlen._engine.pack import Result
+from torchmetrics_varlen._engine.plan import Plan
+from torchmetrics_varlen._engine.record import LocalEntry
 from torchmetrics_varlen.errors import SyncMemoryError
 
 # From this many bytes received per rank, the ranks agree that each could allocate them before any data moves (one

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync.pack import Joined, Reduced, Result, Stacked
-from torchmetrics_varlen._sync.plan import (
+from torchmetrics_varlen._engine.pack import Joined, Reduced, Result, Stacked
+from torchmetrics_varlen._engine.plan import (
     ENC_INVERT,
     ENC_SPLIT,
     ROUTE_REDUCE,
@@ -26,7 +26,7 @@ from torchmetrics_varlen._sync.plan import (
     all_along,
     any_along,
 )
-from torchmetrics_varlen._sync.record import (
+from torchmetrics_varlen._engine.record import (
     KIND_LIST,
     KIND_TENSOR,
     MAX_NDIM,

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchmetrics_varlen._sync import comm, wait
-from torchmetrics_varlen._sync.group import Link
-from torchmetrics_varlen._sync.pack import Joined, Reduced, Result, Stacked
-from torchmetrics_varlen._sync.plan import OP_SUM, ROUTE_REDUCE, Plan
-from torchmetrics_varlen._sync.record import LocalEntry, Ref
+from torchmetrics_varlen._engine import comm, wait
+from torchmetrics_varlen._engine.group import Link
+from torchmetrics_varlen._engine.pack import Joined, Reduced, Result, Stacked
+from torchmetrics_varlen._engine.plan import OP_SUM, ROUTE_REDUCE, Plan
+from torchmetrics_varlen._engine.record import LocalEntry, Ref
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The sync engine: one API for every sync, in two phases.
+"""The sync engine: one API for every sync, in two phases, over layers that import only downward.
 
 Every sync of the package (a :class:`~torchmetrics_varlen.Metric`, a collection, the ``gather_all_tensors`` hook,
 ``compute_on_rank``, a ``ScalarLog``, the Join worker) is a :class:`Request` over a :class:`~.group.Link` (the group's
@@ -6,7 +6,7 @@ state, the policy, the timeout, a name for errors)::
 
     pending = start(request, link)   # describe, start the record exchange: returns at once
     synced = pending.finish()        # wait, plan, move the data, unpack
-    synced = sync(request, link)     # the blocking call: start(...).finish()
+    synced = run(request, link)      # the blocking call: start(...).finish()
 
 The steps, in the order of the functions below:
 
@@ -34,6 +34,14 @@ byte the learnt ones, the learnt plan is the plan, else the sync goes on the lon
 the same bytes, so a rank on one way and a peer on the other issue the same collectives. On a device the exchanged
 headers come back by one non-blocking copy into pinned memory and an event waited for with the sync's timeout: no
 stream synchronisation.
+
+**The layers**, lowest first: pure, nothing communicates: :mod:`.record` (the record format), :mod:`.mismatch` (the
+errors every rank raises alike), :mod:`.plan`, :mod:`.pack` and :mod:`.unpack` (buffers), :mod:`.objects` (Python
+objects in list states), :mod:`.scalar_codec` (logged scalars' records); :mod:`.group` (the state each process group
+keeps, the policy, the settings); :mod:`.comm` (the one module that starts collectives); :mod:`.wait` (the one that
+waits for them: timeouts, named errors, notes in the store, process exit); :mod:`.grad` and :mod:`.move` (the data
+step); this module (the API and the orchestration); :mod:`.states` (metrics' states in, reduced states out);
+:mod:`.deferred` (the syncs ``compute_async()`` leaves pending, run by one worker thread on side groups).
 """
 
 import array
@@ -49,8 +57,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torchmetrics_varlen._sync import comm, grad, mismatch, move, record, unpack, wait
-from torchmetrics_varlen._sync.group import (
+from torchmetrics_varlen._engine import comm, grad, mismatch, move, record, unpack, wait
+from torchmetrics_varlen._engine.group import (
     REGISTRY,
     Link,
     crosses_autograd_threads,
@@ -59,9 +67,9 @@ from torchmetrics_varlen._sync.group import (
     link,
     sent_cap,
 )
-from torchmetrics_varlen._sync.pack import Result
-from torchmetrics_varlen._sync.plan import Plan, make_plan
-from torchmetrics_varlen._sync.record import MAX_WORDS, DenseGroup, LocalEntry, Ref
+from torchmetrics_varlen._engine.pack import Result
+from torchmetrics_varlen._engine.plan import Plan, make_plan
+from torchmetrics_varlen._engine.record import MAX_WORDS, DenseGroup, LocalEntry, Ref
 from torchmetrics_varlen.errors import SyncMismatchError
 
 LEARNT_KEPT = 64  # a job syncs a handful of small layouts per step; more than this is no repeated sync
@@ -135,7 +143,7 @@ class _Learnt:
 
 
 # ---------------------------------------------------------------------------------------------------------- API
-def sync(request: Request, link: Link) -> Synced | None:
+def run(request: Request, link: Link) -> Synced | None:
     """Run a sync to its end (None when ``request.stop`` ended it after the exchange)."""
     return start(request, link).finish()
 
