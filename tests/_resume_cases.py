@@ -237,3 +237,19 @@ def assert_same(got, expected, where):
 
     for name in expected:
         assert same(got[name], expected[name]), f"{where}: {name}: {got[name]!r} != {expected[name]!r}"
+
+
+def assert_resumed(results, saved_on, loaded_on):
+    """Each rank's value right after the load and after more updates equals one process on the same batches; the
+    update counts add up to one process's, the first rank holding the saved ones and the others their own."""
+    before = reference([("save", saved_on)])
+    after = reference([("save", saved_on), ("resume", loaded_on)])
+    for rank, (resumed, final, _) in enumerate(results):
+        assert_same(resumed, before, f"saved on {saved_on}, rank {rank} of {loaded_on} right after the load")
+        assert_same(final, after, f"saved on {saved_on}, rank {rank} of {loaded_on} after more updates")
+    counts = [counts for _, _, counts in results]
+    totals = {name: sum(c[name] for c in counts) for name in counts[0]}
+    assert totals == expected_updates([("save", saved_on), ("resume", loaded_on)])
+    for rank in range(1, loaded_on):
+        own = len(rank_batches("resume", loaded_on, rank))
+        assert all(count == own for count in counts[rank].values()), (rank, counts[rank])

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from _resume_cases import (
+    assert_resumed,
     assert_same,
     build,
     compute_all,
-    expected_updates,
     feed,
     rank_batches,
     reference,
@@ -105,20 +105,7 @@ def test_saving_is_exact_and_changes_nothing(saved, saved_on):
 @pytest.mark.parametrize("saved_on", [1, 2, 3])
 def test_resume_on_another_world_size_equals_one_process(saved, saved_on, loaded_on):
     path = saved[saved_on][0]
-    results = run_distributed(body_resume, loaded_on, path, deadline=180)
-    before = reference([("save", saved_on)])
-    after = reference([("save", saved_on), ("resume", loaded_on)])
-    for rank, (resumed, final, _) in enumerate(results):
-        assert_same(resumed, before, f"saved on {saved_on}, rank {rank} of {loaded_on} right after the load")
-        assert_same(final, after, f"saved on {saved_on}, rank {rank} of {loaded_on} after more updates")
-    counts = [counts for _, _, counts in results]
-    totals = {name: sum(c[name] for c in counts) for name in counts[0]}
-    assert totals == expected_updates([("save", saved_on), ("resume", loaded_on)])
-    # the first rank took the saved counts, the others started from zero
-    phase_two = expected_updates([("resume", loaded_on)])
-    for rank in range(1, loaded_on):
-        own = len(rank_batches("resume", loaded_on, rank))
-        assert all(count == own for count in counts[rank].values()), (rank, counts[rank], phase_two)
+    assert_resumed(run_distributed(body_resume, loaded_on, path, deadline=180), saved_on, loaded_on)
 
 
 # ------------------------------------------------------------------------------------------ single process

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _resume_cases import (
+    assert_resumed,
     assert_same,
     build,
     compute_all,
-    expected_updates,
     feed,
     rank_batches,
     reference,
@@ -87,15 +87,7 @@ def test_each_rank_writes_its_own_share_and_an_empty_rank_none(saved, saved_on):
 @pytest.mark.parametrize("saved_on", [1, 2, 3])
 def test_resume_through_dcp_on_another_world_size_equals_one_process(saved, saved_on, loaded_on):
     directory = saved[saved_on][0]
-    results = run_distributed(body_resume, loaded_on, directory, deadline=180)
-    before = reference([("save", saved_on)])
-    after = reference([("save", saved_on), ("resume", loaded_on)])
-    for rank, (resumed, final, _) in enumerate(results):
-        assert_same(resumed, before, f"saved on {saved_on}, rank {rank} of {loaded_on} right after the load")
-        assert_same(final, after, f"saved on {saved_on}, rank {rank} of {loaded_on} after more updates")
-    counts = [counts for _, _, counts in results]
-    totals = {name: sum(c[name] for c in counts) for name in counts[0]}
-    assert totals == expected_updates([("save", saved_on), ("resume", loaded_on)])
+    assert_resumed(run_distributed(body_resume, loaded_on, directory, deadline=180), saved_on, loaded_on)
 
 
 # ------------------------------------------------------------------------------------------------------ errors
