@@ -79,10 +79,14 @@ def stacked(plan: Plan, blocks: Sequence[tuple[DenseGroup, Tensor]]) -> list[Res
     """Each entry of an inline plan as a :class:`Stacked` view of its group's block."""
     results: list[Result | None] = [None] * len(plan.entries)
     for group, block in blocks:
+        raw = block.numpy() if block.device.type == "cpu" and group.dtype in NUMPY_DTYPES else None
         start = 0
         for index, numel in zip(group.indices, group.numels):
             shape = (plan.world_size, *plan.entries[index].shape)
-            results[index] = Stacked(block[:, start : start + numel].reshape(shape))
+            if raw is not None:  # numpy slices: a fraction of a tensor slice's cost, for many small states
+                results[index] = Stacked(torch.from_numpy(raw[:, start : start + numel].reshape(shape)))
+            else:
+                results[index] = Stacked(block[:, start : start + numel].reshape(shape))
             start += numel
     return results
 
