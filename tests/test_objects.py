@@ -1,6 +1,8 @@
 """List states holding Python objects: every rank's items in rank order, as one process holds them; errors on every
 rank, never a hang."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -136,11 +138,17 @@ class Unpicklable:
         raise TypeError("this object does not pickle")
 
 
-def body_unpicklable(rank, world_size):
+def body_unpicklable(rank, world_size, kind):
     metric = ObjectLog()
     metric.update("fine")
     if rank == world_size - 1:
-        metric.update(Unpicklable())
+        if kind == "nested":  # pickle takes it, but its bytes cannot travel beside the pickle (the docs say so)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch's prototype warning for the strided layout
+                nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(2.0)])
+            metric.update({"boxes": nested})
+        else:
+            metric.update(Unpicklable())
     return _mismatch_message(metric)
 
 
@@ -154,11 +162,12 @@ def _mismatch_message(metric):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_unpicklable_item_raises_on_every_rank(world_size):
-    for message in run_distributed(body_unpicklable, world_size):
+@pytest.mark.parametrize("kind", ["unpicklable", "nested"])
+def test_unpicklable_item_raises_on_every_rank(world_size, kind):
+    for message in run_distributed(body_unpicklable, world_size, kind):
         assert "ObjectLog.plain" in message, message
         assert f"rank {world_size - 1}" in message and "item 1" in message
-        assert "Unpicklable" in message
+        assert ("Unpicklable" if kind == "unpicklable" else "dict") in message, message
 
 
 class LoadsOnRankZeroOnly:
