@@ -16,7 +16,6 @@ Plans are never mutated once made (a routed entry is a copy), so the group's pla
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -349,7 +348,6 @@ def _referenced(entries: list[EntryPlan]) -> set[int]:
     return {ref for entry in entries if not entry.dense for ref in entry.refs[entry.refs >= 0].tolist()}
 
 
-Cut = tuple[int, Any, int, int, tuple[int, ...]]  # entry, numpy dtype, first and last data byte, [world_size, *shape]
 # A gathered entry's section on one rank: its plan (None: dense), start, shape table bytes, elements.
 Section = tuple[EntryPlan | None, int, int, int]
 
@@ -369,7 +367,6 @@ class UnpackMemo:
     """What unpacking works out from a plan alone, cached with it; filled lazily (two threads may fill one alike)."""
 
     sections: dict[int, list[Section]] = field(default_factory=dict)  # per rank (``pack._sections``)
-    cuts: list[Cut] | Literal[False] | None = False  # ``unpack.inline_cuts``; None: a dtype numpy lacks; False: unknown
     gathered: tuple[list[int], set[int]] | None = None  # the entries cut out of the rows; those referring to others
     joined: dict[tuple[int, ...], JoinFacts] = field(default_factory=dict)  # keyed by the entries joined together
 

@@ -19,7 +19,6 @@ from torchmetrics_varlen._engine.plan import (
     ENC_INVERT,
     ENC_SPLIT,
     ROUTE_REDUCE,
-    Cut,
     EntryPlan,
     JoinFacts,
     Plan,
@@ -91,24 +90,6 @@ def stacked(plan: Plan, blocks: Sequence[tuple[DenseGroup, Tensor]]) -> list[Res
     return results
 
 
-def inline_cuts(plan: Plan) -> list[Cut] | None:
-    """Where each dense entry of a plan lies in a rank's data bytes; None for a dtype numpy lacks. Kept per plan."""
-    if plan.unpack_memo.cuts is not False:
-        return plan.unpack_memo.cuts
-    if any(group.dtype not in NUMPY_DTYPES for group in plan.groups):
-        plan.unpack_memo.cuts = None
-        return None
-    cuts: list[Cut] = []
-    for group in plan.groups:
-        start, size = group.start, group.dtype.itemsize
-        for index, numel in zip(group.indices, group.numels):
-            shape = (plan.world_size, *plan.entries[index].shape)
-            cuts.append((index, NUMPY_DTYPES[group.dtype], start, start + numel * size, shape))
-            start += numel * size
-    plan.unpack_memo.cuts = cuts
-    return cuts
-
-
 def unpack(
     rows: Tensor | None,
     plan: Plan,
@@ -153,23 +134,11 @@ def unpack(
 
 
 def _unpack_dense(rows: Tensor, plan: Plan, devices: Sequence[torch.device], results: list[Result | None]) -> None:
-    """The dense entries as ``[world_size, *shape]`` views of ``rows``, into ``results``.
-
-    On the CPU, numpy views made tensors once: a fraction of tensor slicing's cost right after a collective.
-    """
-    cuts = inline_cuts(plan)
-    if rows.device.type == "cpu" and cuts is not None and plan.groups:
-        raw = rows.numpy()
-        for index, dtype, start, stop, shape in cuts:
-            stacked = torch.from_numpy(raw[:, start:stop].view(dtype).reshape(shape))
-            results[index] = Stacked(stacked if devices[index] == _CPU else stacked.to(devices[index]))
-        return
-    world = plan.world_size
-    for group in plan.groups:
-        block = rows[:, group.start : group.start + group.nbytes].view(group.dtype)
-        for index, part in zip(group.indices, block.split_with_sizes(group.numels, dim=1)):
-            stacked = part.reshape(world, *plan.entries[index].shape)
-            results[index] = Stacked(stacked if devices[index] == rows.device else stacked.to(devices[index]))
+    """The dense entries as ``[world_size, *shape]`` views of ``rows`` (as an inline plan's), each on its device."""
+    for index, result in enumerate(stacked(plan, unpack_inline(rows, plan))):
+        if isinstance(result, Stacked):
+            on = result.tensor
+            results[index] = result if devices[index] == on.device else Stacked(on.to(devices[index]))
 
 
 def _joined(
