@@ -221,3 +221,46 @@ def test_the_record_of_a_list_state_counts_its_items_and_takes_the_dtype_of_its_
     joined, empty = plan.entries
     assert joined.dtype == torch.int32 and joined.numels.tolist() == [9, 9] and joined.items.tolist() == [3, 3]
     assert empty.dtype is None and record.dtype_of(int(empty.dtype_codes[0])) == torch.float64
+
+
+def test_the_fast_header_check_passes_exactly_the_tables_the_full_check_passes(monkeypatch):
+    # Every sync first asks a few numpy comparisons whether all headers agree; the full check (its torch path, the
+    # messages) runs only where they do not. Each field of one rank's header changed alone: both must judge alike.
+    from torchmetrics_varlen._engine import mismatch
+
+    base = record.header(record.context_hash("t"), "t", record.FLAG_REDUCE_NEVER, 2, record.HEADER_LEN + 20, 4096)
+    changes = {
+        "magic": (record.H_MAGIC, [0, record.MAGIC ^ 1]),
+        "context": (record.H_CONTEXT, [base[record.H_CONTEXT] + 1]),
+        "count": (record.H_N, [3]),
+        "differentiable": (record.H_FLAGS, [base[record.H_FLAGS] | record.FLAG_DIFF]),
+        "reduce setting": (record.H_FLAGS, [record.FLAG_REDUCE_ALWAYS, 0]),
+        "flags that may differ": (record.H_FLAGS, [base[record.H_FLAGS] | record.FLAG_CACHED | record.FLAG_INLINE]),
+        "cap": (record.H_CAP, [0, -1, 1 << 20]),
+        "error": (record.H_ERROR, [record.ERR_DTYPE]),
+        "words": (record.H_WORDS, [record.HEADER_LEN + 90]),
+        "label": (record.H_LABEL, [base[record.H_LABEL] + 1]),
+    }
+
+    def passes(table, fast):
+        with monkeypatch.context() as patched:
+            if not fast:
+                patched.setattr(mismatch, "_headers_agree", lambda header: False)
+            try:
+                mismatch.check_headers(table, "t")
+            except SyncMismatchError:
+                return False
+            return True
+
+    judged = 0
+    for column, values in changes.values():
+        for value in values:
+            for changed_rank in range(3):
+                rows = [list(base) for _ in range(3)]
+                rows[changed_rank][column] = value
+                table = torch.tensor(rows)
+                full = passes(table, fast=False)
+                assert passes(table, fast=True) == full
+                assert mismatch._headers_agree(table.numpy()) == full
+                judged += not full
+    assert judged > 0 and passes(torch.tensor([base] * 3), fast=True)

@@ -237,6 +237,14 @@ def sync_scalars(
     return log.compute()
 
 
+_CPU = torch.device("cpu")
+
+
+def _item_name(i: int, keys: list[str]) -> tuple[str, str]:
+    """What item ``i`` of ``_floats``' items is, for a message: ``("values", key)`` or ``("weight", key)``."""
+    return ("values", keys[i]) if i < len(keys) else ("weight", keys[i - len(keys)])
+
+
 def _floats(items: list[Any], keys: list[str]) -> Any:
     """``items`` (the values of ``keys``, then their weights) as float64: a host array, or a tensor on a device.
 
@@ -245,21 +253,25 @@ def _floats(items: list[Any], keys: list[str]) -> Any:
     """
     out = np.empty(len(items))
     device: torch.device | None = None  # the first accelerator's; the CPU's for CPU tensors only
-    for i, item in enumerate(items):
-        what, key = ("values", keys[i]) if i < len(keys) else ("weight", keys[i - len(keys)])
-        if isinstance(item, Tensor):
+    for i, item in enumerate(items):  # every update runs this per key: the common types are tested first, by identity
+        if type(item) is float or type(item) is int:
+            out[i] = item
+        elif isinstance(item, Tensor):
             if item.numel() != 1 or item.is_complex():
+                what, key = _item_name(i, keys)
                 raise ValueError(
                     f"Expected `{what}` of key {key!r} to be a real scalar (one element) but got a tensor of shape"
                     f" {tuple(item.shape)} and dtype {item.dtype}"
                 )
-            if device is None or device.type == "cpu":
-                device = item.device
-            if item.device.type == "cpu":
+            if item.is_cpu:
                 out[i] = item.item()  # exact in float64 (wider dtypes: rounded once, as by `.to(torch.float64)`)
-        elif isinstance(item, numbers.Real):  # Python and numpy numbers (numpy registers its own as Real)
+                device = device or _CPU
+            elif device is None or device.type == "cpu":
+                device = item.device
+        elif isinstance(item, numbers.Real):  # bool, numpy numbers (numpy registers its own as Real)
             out[i] = float(item)
         else:
+            what, key = _item_name(i, keys)
             raise TypeError(f"Expected `{what}` of key {key!r} to be a float, int or 0-d tensor but got {item!r}")
     if device is None or device.type == "cpu":
         return out if device is None else torch.from_numpy(out)

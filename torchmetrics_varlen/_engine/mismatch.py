@@ -7,6 +7,7 @@ first, then the plan through ``raise_uneven`` and ``refuse_host_grad``. Messages
 
 from collections.abc import Callable
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,6 +61,8 @@ _ERROR_TEXT = MappingProxyType(
 
 def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None = None) -> None:
     """Raise `SyncMismatchError` on every rank alike when the ranks do not sync the same thing (``names``: entries)."""
+    if table.device.type == "cpu" and _headers_agree(table.numpy()):  # every sync checks: the common case, fast
+        return
     if not bool((table[:, H_MAGIC] == MAGIC).all()):
         bad = (table[:, H_MAGIC] != MAGIC).nonzero().flatten().tolist()
         raise SyncMismatchError(
@@ -114,6 +117,16 @@ def check_headers(table: Tensor, what: str, names: Callable[[int], str] | None =
             f"{what}: rank {rank} holds {_ERROR_TEXT.get(error, 'an unsupported value')} in {name}; it cannot"
             " be synced.\n" + rank_lines(table, entry)
         )
+
+
+def _headers_agree(header: Any) -> bool:
+    """Whether every rank's header (a row of ``header``, a host table) passes all of :func:`check_headers`' checks."""
+    first = header[0]
+    if first[H_MAGIC] != MAGIC or first[H_CAP] <= 0 or first[H_ERROR] != ERR_NONE:
+        return False
+    agreed = header[:, [H_MAGIC, H_CONTEXT, H_N, H_ERROR]] == first[[H_MAGIC, H_CONTEXT, H_N, H_ERROR]]
+    flags = header[:, H_FLAGS] & (FLAG_DIFF | REDUCE_MASK)  # other flags may differ by rank
+    return bool(agreed.all() and (flags == flags[0]).all() and (header[:, H_CAP] > 0).all())
 
 
 class ObjectsBesideTensorsError(SyncMismatchError):

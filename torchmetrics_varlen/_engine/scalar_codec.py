@@ -304,7 +304,10 @@ def reduce_table(table: Array, layout: Layout, what: str) -> tuple[tuple[list[st
     world, k = table.shape[0], len(layout.names)
     words = np.tile(layout.identity(), (world, 1))
     present = np.zeros((world, k), dtype=bool)
-    named = [_new_keys(row, _read_known(row, layout, words[rank], present[rank])) for rank, row in enumerate(table)]
+    starts = [_read_known(row, layout, words[rank], present[rank]) for rank, row in enumerate(table)]
+    if not table[:, S_NEW].any():  # the common case: no rank names a key anew, the layout stays as it is
+        return ([], [], _reduce(words, present, layout)), _next_words(present, layout)
+    named = [_new_keys(row, start) for row, start in zip(table, starts)]
     new_names, new_codes = _agree_new_keys(named, layout, what)
     grown = Layout(list(layout.names), dict(layout.position), layout.codes, layout.offsets, layout.fingerprint)
     grown.extend(new_names, new_codes)
@@ -407,7 +410,7 @@ def _reduce(words: Array, present: Array, layout: Layout) -> dict[str, float]:
     out[codes == MAX] = first[:, codes == MAX].max(axis=0)  # NaN propagates, as torch.max does
     out[codes == MIN] = first[:, codes == MIN].min(axis=0)
     keep = np.flatnonzero(present.any(axis=0))
-    return {layout.names[i]: float(out[i]) for i in keep.tolist()}
+    return dict(zip([layout.names[i] for i in keep.tolist()], out[keep].tolist()))
 
 
 def local_results(acc: Accumulator) -> dict[str, float]:
