@@ -62,6 +62,27 @@ def count_collectives(calls=None):
 
 
 @contextlib.contextmanager
+def engine_runs(see):
+    """Call ``see(request, link)`` before each ``_engine.run`` while the block runs (callers look it up at each call).
+
+    ``_engine.run`` is the one blocking entry point of every metric and hook sync (tests/test_engine.py counts it).
+    """
+    from torchmetrics_varlen import _engine
+
+    original = _engine.run
+
+    def watched(request, link):
+        see(request, link)
+        return original(request, link)
+
+    _engine.run = watched
+    try:
+        yield
+    finally:
+        _engine.run = original
+
+
+@contextlib.contextmanager
 def sync_labels():
     """The labels of this package's syncs while the block runs, in order: one per metadata exchange.
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import count_collectives, describe, forced_policy, split
+from _helpers import count_collectives, describe, engine_runs, forced_policy, split
 from conftest import run_distributed
 from torchmetrics.classification import BinaryAccuracy, MulticlassConfusionMatrix
 from torchmetrics.utilities.data import dim_zero_cat
@@ -546,17 +546,10 @@ def test_an_agreement_beside_another_sync_is_a_named_error_on_every_rank(which):
 
 def body_one_entry_point(rank, world_size):
     """Counts the calls of ``_engine.run``, looked up at call time, through a rebased metric's and the hook's syncs."""
-    from torchmetrics_varlen import _engine, gather_all_tensors
+    from torchmetrics_varlen import gather_all_tensors
 
     calls = []
-    original = _engine.run
-
-    def counted(request, link):
-        calls.append(link.what)
-        return original(request, link)
-
-    _engine.run = counted
-    try:
+    with engine_runs(lambda request, link: calls.append(link.what)):
         metric = rebase(BinaryAccuracy)()
         metric.update(torch.rand(3 + rank), torch.randint(0, 2, (3 + rank,)))
         metric.compute()
@@ -565,8 +558,6 @@ def body_one_entry_point(rank, world_size):
         after_cached = len(calls)
         gather_all_tensors(torch.arange(rank + 1))
         return after_compute, after_cached, len(calls)
-    finally:
-        _engine.run = original
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -7,6 +7,7 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import engine_runs
 from conftest import run_distributed
 from torch.distributed.algorithms.join import Join
 
@@ -251,11 +252,6 @@ def test_one_gloo_side_group_per_process_group_made_once(world_size):
 
 
 def body_join_exchanges_and_their_timeouts(rank, world_size):
-    import threading
-
-    from torchmetrics_varlen import _engine
-
-    original = _engine.run
     seen = []
 
     def recording(request, link):
@@ -264,16 +260,12 @@ def body_join_exchanges_and_their_timeouts(rank, world_size):
             seen.append((request.label, link.timeout))
         elif request.label == "BatchMSE.step" and link.group is REGISTRY.state(None).side:
             seen.append(("running", link.timeout))
-        return original(request, link)
 
-    _engine.run = recording  # looked up at each call
-    try:
+    with engine_runs(recording):
         metric = BatchMSE(sync_timeout=17)
         with join(metric):
             for x, y in _batches(rank, STEPS[world_size][rank]):
                 metric(x[:, 0].double(), y)
-    finally:
-        _engine.run = original
     return seen
 
 
@@ -444,11 +436,8 @@ class GuardedSum(Metric):
 
 
 def body_shadow_sees_only_cpu_tensors(rank, world_size):
-    from torchmetrics_varlen import _engine
-
     MainThreadOnly.body_thread = threading.current_thread()
     MainThreadOnly.touched = []
-    original = _engine.run
     handed = []
 
     def recording(request, link):
@@ -456,10 +445,8 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
             for entry in request.entries:
                 for tensor in entry if isinstance(entry, list) else [entry]:
                     handed.append((type(tensor).__name__, str(tensor.device)))
-        return original(request, link)
 
-    _engine.run = recording
-    try:
+    with engine_runs(recording):
         metric = GuardedSum()
         steps = STEPS[world_size][rank]
         values = []
@@ -467,8 +454,6 @@ def body_shadow_sees_only_cpu_tensors(rank, world_size):
             for step in range(steps):
                 values.append(float(metric(torch.full((2,), float(rank + step), dtype=torch.float64))))
         epoch = float(metric.compute())
-    finally:
-        _engine.run = original
     # Truth: at step s, every rank that still has a step s adds 2 * (rank + s).
     expected = [sum(2.0 * (r + s) for r in range(world_size) if s < STEPS[world_size][r]) for s in range(steps)]
     total = sum(2.0 * (r + s) for r in range(world_size) for s in range(STEPS[world_size][r]))
@@ -494,18 +479,13 @@ UNEVEN = {2: [6, 4], 3: [6, 4, 5]}
 
 
 def body_step_syncs_switch_groups_together(rank, world_size, with_model):
-    from torchmetrics_varlen import _engine
-
-    original = _engine.run
     groups = []
 
     def recording(request, link):
         if threading.current_thread() is threading.main_thread() and request.label == "BatchMSE.step":
             groups.append(link.group)
-        return original(request, link)
 
-    _engine.run = recording
-    try:
+    with engine_runs(recording):
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1).double()) if with_model else None
         metric = BatchMSE()
@@ -521,8 +501,6 @@ def body_step_syncs_switch_groups_together(rank, world_size, with_model):
                 seen_preds.append(preds.detach())
                 seen_target.append(y.double())
         epoch = metric.compute()
-    finally:
-        _engine.run = original
     side = REGISTRY.state(None).side
     where = ["side" if group is side else "own" if group is dist.group.WORLD else "other" for group in groups]
     return {"where": where, "values": values, "epoch": epoch, "expected": _single_process_mse(seen_preds, seen_target)}
