@@ -237,9 +237,6 @@ def sync_scalars(
     return log.compute()
 
 
-_CPU = torch.device("cpu")
-
-
 def _item_name(i: int, keys: list[str]) -> tuple[str, str]:
     """What item ``i`` of ``_floats``' items is, for a message: ``("values", key)`` or ``("weight", key)``."""
     return ("values", keys[i]) if i < len(keys) else ("weight", keys[i - len(keys)])
@@ -265,7 +262,7 @@ def _floats(items: list[Any], keys: list[str]) -> Any:
                 )
             if item.is_cpu:
                 out[i] = item.item()  # exact in float64 (wider dtypes: rounded once, as by `.to(torch.float64)`)
-                device = device or _CPU
+                device = device or item.device
             elif device is None or device.type == "cpu":
                 device = item.device
         elif isinstance(item, numbers.Real):  # bool, numpy numbers (numpy registers its own as Real)

@@ -36,8 +36,6 @@ from torchmetrics_varlen._engine.record import (
     dtype_of,
 )
 
-_CPU = torch.device("cpu")
-
 
 def _decode(part: Tensor, encoding: int) -> Tensor:
     if encoding == ENC_SPLIT:
