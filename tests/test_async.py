@@ -18,6 +18,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -322,6 +323,29 @@ def test_max_in_flight_is_checked():
         tv.rebase(SumMetric)(max_in_flight=0)
     with pytest.raises(ValueError, match="max_in_flight"):
         tv.MetricCollection([SumMetric()], max_in_flight=1.5)
+
+
+def test_the_worker_runs_jobs_in_call_order_each_no_sooner_than_its_delay_after_the_call():
+    from concurrent import futures
+    from types import SimpleNamespace
+
+    from torchmetrics_varlen._engine import deferred
+
+    started: list[float] = []
+    link: Any = SimpleNamespace(state=SimpleNamespace(broken=None), what="a test job")
+
+    def job() -> Any:
+        return deferred.Job(lambda side: started.append(time.monotonic()) or len(started), link, futures.Future())
+
+    worker = deferred.Worker()  # a worker of its own: the process's one stays as it is
+    jobs = [job()]
+    worker.submit(jobs[0])
+    jobs[0].future.result(timeout=10)
+    jobs += [job(), job()]
+    for queued in jobs[1:]:  # queued together: the third starts behind the second
+        worker.submit(queued)
+    assert [queued.future.result(timeout=10) for queued in jobs] == [1, 2, 3]
+    assert all(start - queued.called >= deferred.START_AFTER_S for start, queued in zip(started, jobs)), started
 
 
 # ------------------------------------------------------------------ processes of their own: real exits and deaths
