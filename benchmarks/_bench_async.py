@@ -1,18 +1,19 @@
 """Syncs off the critical path: a training loop's logged syncs, blocking ``compute()`` against ``compute_async()``.
 
-Each step computes for a fixed time (a 4 ms sleep: the accelerator's work, during which the host thread is free),
-then updates a :class:`~torchmetrics_varlen.ScalarLog` of 100 keys (0-d tensors, one weight) and syncs it, every
-step; in the second case also an 8-metric collection (updated every step, synced every 10 steps). Three loops, in
-the same processes, taking turns: **none** (the updates, no sync: the floor), **blocking** (``compute()`` then
-``reset()``), **async** (``compute_async()`` then ``reset()``; the finished futures are read after each step, and
-every one by the end of the loop, which the time includes). With a **straggler**, one rank chosen at random at each
-step (the same choice on every rank) computes 4 ms longer.
+Each step computes for a fixed time (a 4 ms sleep: the accelerator's work, during which the host thread is free), then
+updates a :class:`~torchmetrics_varlen.ScalarLog` of 100 keys (0-d tensors, one weight) and syncs it, every step; in the
+second case also an 8-metric collection (updated every step, synced every 10 steps). Three loops, in the same processes,
+taking turns: **none** (the updates, no sync: the floor), **blocking** (``compute()`` then ``reset()``), **async**
+(``compute_async()`` then ``reset()``; the finished futures are read after each step, and every one by the end of the
+loop, which the time includes). With a **straggler**, one rank chosen at random at each step (the same choice on every
+rank) computes 4 ms longer.
 
 Reported for rank 0: milliseconds per step (the median over the repeats of the loop's mean), and the share of the
 blocking sync's time that left the loop, ``1 - (async - none) / (blocking - none)``, computed within each repeat (its
-three loops ran back to back, so a slower spell of a shared machine weighs on all three) and reported as the median
-over the repeats. With a straggler the blocking loop also waits for the slow rank at every sync: that wait leaves the
-loop only as far as ``max_in_flight`` syncs may be pending.
+three loops ran back to back, so a slower spell of a shared machine weighs on all three) and reported as the median over
+the repeats, with their quartiles: on a busy 2-core machine one repeat's share can be far from the next one's. With a
+straggler the blocking loop also waits for the slow rank at every sync: that wait leaves the loop only as far as
+``max_in_flight`` syncs may be pending.
 """
 
 import statistics
@@ -91,18 +92,30 @@ def body(
             cost = times["blocking"][-1] - times["none"][-1]
             offs.append(1 - (times["async"][-1] - times["none"][-1]) / cost if cost > 0 else float("nan"))
         ms = {mode: 1000 * statistics.median(seconds) for mode, seconds in times.items()}
-        off = statistics.median(offs)
-        rows.append({"case": name, "straggler": straggler, "max_in_flight": in_flight, **ms, "off_the_loop": off})
+        quartiles = statistics.quantiles(offs, n=4) if len(offs) > 1 else [offs[0], offs[0], offs[0]]
+        rows.append(
+            {
+                "case": name,
+                "straggler": straggler,
+                "max_in_flight": in_flight,
+                **ms,
+                "off_the_loop": statistics.median(offs),
+            }
+            | {"off_the_loop_quartiles": (quartiles[0], quartiles[2])}
+        )
     return rows
 
 
 def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
     """The rows as a text table."""
-    head = f"| {'case':<34} | straggler | in flight | none ms/step | blocking ms/step | async ms/step | off the loop |"
+    head = (
+        f"| {'case':<34} | straggler | in flight | none ms/step | blocking ms/step | async ms/step |"
+        " off the loop (quartiles) |"
+    )
     lines = [
         f"Syncs off the critical path: {steps} steps of {COMPUTE_S * 1000:g} ms compute, a {KEYS}-key ScalarLog synced"
-        f" every step; 2 gloo ranks, rank 0, median of {repeats} loops each (off the loop: of the {repeats} repeats'"
-        " shares)",
+        f" every step; 2 gloo ranks, rank 0, median of {repeats} loops each (off the loop: the median and quartiles of"
+        f" the {repeats} repeats' shares)",
         "",
         head,
         "|" + "|".join("-" * len(cell) for cell in head.split("|")[1:-1]) + "|",
@@ -110,9 +123,15 @@ def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
     for row in rows:
         lines.append(
             f"| {row['case']:<34} | {'yes' if row['straggler'] else 'no':>9} | {row['max_in_flight']:>9} |"
-            f" {row['none']:>12.2f} | {row['blocking']:>16.2f} | {row['async']:>13.2f} | {row['off_the_loop']:>11.0%} |"
+            f" {row['none']:>12.2f} | {row['blocking']:>16.2f} | {row['async']:>13.2f} |"
+            f" {_share(row['off_the_loop'], row['off_the_loop_quartiles']):>24} |"
         )
     return "\n".join(lines)
+
+
+def _share(median: float, quartiles: tuple[float, float]) -> str:
+    """``"61% (52-70)"``: the median share and its quartiles, in percent."""
+    return f"{median:.0%} ({quartiles[0]:.0%}-{quartiles[1]:.0%})".replace("%-", "-")
 
 
 def run(quick: bool, repeats: int, members: Callable[[], dict[str, Any]]) -> dict[str, Any]:
