@@ -93,16 +93,8 @@ def body(
             offs.append(1 - (times["async"][-1] - times["none"][-1]) / cost if cost > 0 else float("nan"))
         ms = {mode: 1000 * statistics.median(seconds) for mode, seconds in times.items()}
         quartiles = statistics.quantiles(offs, n=4) if len(offs) > 1 else [offs[0], offs[0], offs[0]]
-        rows.append(
-            {
-                "case": name,
-                "straggler": straggler,
-                "max_in_flight": in_flight,
-                **ms,
-                "off_the_loop": statistics.median(offs),
-            }
-            | {"off_the_loop_quartiles": (quartiles[0], quartiles[2])}
-        )
+        off = {"off_the_loop": statistics.median(offs), "off_the_loop_quartiles": (quartiles[0], quartiles[2])}
+        rows.append({"case": name, "straggler": straggler, "max_in_flight": in_flight, **ms, **off})
     return rows
 
 
