@@ -6,7 +6,8 @@ second case also an 8-metric collection (updated every step, synced every 10 ste
 taking turns: **none** (the updates, no sync: the floor), **blocking** (``compute()`` then ``reset()``), **async**
 (``compute_async()`` then ``reset()``; the finished futures are read after each step, and every one by the end of the
 loop, which the time includes). With a **straggler**, one rank chosen at random at each step (the same choice on every
-rank) computes 4 ms longer.
+rank) computes 4 ms longer. One more row runs the collection case with an 8 ms step: the worker's Python then has more
+room while the loop waits.
 
 Reported for rank 0: milliseconds per step (the median over the repeats of the loop's mean), and the share of the
 blocking sync's time that left the loop, ``1 - (async - none) / (blocking - none)``, computed within each repeat (its
@@ -27,12 +28,15 @@ import torch.distributed as dist
 
 STEPS = 200
 COMPUTE_S = 0.004
+LONGER_COMPUTE_S = 0.008  # one more row: the collection case with a longer step (more room for the worker's Python)
 KEYS = 100
 COLLECTION_EVERY = 10
 
 
-def _loop(rank: int, mode: str, steps: int, straggler: bool, collection: Any, in_flight: int) -> float:
-    """One loop of ``steps``; its seconds per step (async: the last futures read included)."""
+def _loop(
+    rank: int, mode: str, steps: int, straggler: bool, collection: Any, in_flight: int, compute_s: float = COMPUTE_S
+) -> float:
+    """One loop of ``steps`` of ``compute_s`` compute each; seconds per step (async: the last futures read included)."""
     from torchmetrics_varlen import ScalarLog
 
     log = ScalarLog(max_in_flight=in_flight)
@@ -46,7 +50,7 @@ def _loop(rank: int, mode: str, steps: int, straggler: bool, collection: Any, in
     start = time.perf_counter()
     for step in range(steps):
         slow = int(torch.randint(0, dist.get_world_size(), (1,), generator=plan))
-        time.sleep(COMPUTE_S * (2 if straggler and slow == rank else 1))
+        time.sleep(compute_s * (2 if straggler and slow == rank else 1))
         values = torch.rand(KEYS, generator=data)
         log.update({f"k{i}": values[i] for i in range(KEYS)}, weight=8 + rank)
         if collection is not None:
@@ -79,42 +83,44 @@ def body(
 
     rows = []
     scalars, both = "ScalarLog, 100 keys", "+ 8-metric collection / 10 steps"
-    cases = [(scalars, straggler, in_flight) for straggler in (False, True) for in_flight in (2, 8)]
-    cases += [(both, False, 2), (both, True, 8)]
-    for name, straggler, in_flight in cases:
+    cases = [(scalars, straggler, in_flight, COMPUTE_S) for straggler in (False, True) for in_flight in (2, 8)]
+    cases += [(both, False, 2, COMPUTE_S), (both, True, 8, COMPUTE_S), (both, False, 2, LONGER_COMPUTE_S)]
+    for name, straggler, in_flight, compute_s in cases:
         collection = MetricCollection(members()) if name.startswith("+") else None
         times: dict[str, list[float]] = {"none": [], "blocking": [], "async": []}
-        _loop(rank, "async", 10, straggler, collection, in_flight)  # warm-up: the side group, the key layout
+        _loop(rank, "async", 10, straggler, collection, in_flight, compute_s)  # warm-up: the side group, the layout
         offs = []
         for _ in range(repeats):
             for mode, seconds in times.items():
-                seconds.append(_loop(rank, mode, steps, straggler, collection, in_flight))
+                seconds.append(_loop(rank, mode, steps, straggler, collection, in_flight, compute_s))
             cost = times["blocking"][-1] - times["none"][-1]
             offs.append(1 - (times["async"][-1] - times["none"][-1]) / cost if cost > 0 else float("nan"))
         ms = {mode: 1000 * statistics.median(seconds) for mode, seconds in times.items()}
         quartiles = statistics.quantiles(offs, n=4) if len(offs) > 1 else [offs[0], offs[0], offs[0]]
         off = {"off_the_loop": statistics.median(offs), "off_the_loop_quartiles": (quartiles[0], quartiles[2])}
-        rows.append({"case": name, "straggler": straggler, "max_in_flight": in_flight, **ms, **off})
+        case = {"case": name, "compute_ms": 1000 * compute_s, "straggler": straggler, "max_in_flight": in_flight}
+        rows.append({**case, **ms, **off})
     return rows
 
 
 def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
     """The rows as a text table."""
     head = (
-        f"| {'case':<34} | straggler | in flight | none ms/step | blocking ms/step | async ms/step |"
+        f"| {'case':<34} | compute ms | straggler | in flight | none ms/step | blocking ms/step | async ms/step |"
         " off the loop (quartiles) |"
     )
     lines = [
-        f"Syncs off the critical path: {steps} steps of {COMPUTE_S * 1000:g} ms compute, a {KEYS}-key ScalarLog synced"
-        f" every step; 2 gloo ranks, rank 0, median of {repeats} loops each (off the loop: the median and quartiles of"
-        f" the {repeats} repeats' shares)",
+        f"Syncs off the critical path: {steps} steps, each a fixed compute then a {KEYS}-key ScalarLog synced; 2 gloo"
+        f" ranks, rank 0, median of {repeats} loops each (off the loop: the median and quartiles of the {repeats}"
+        " repeats' shares)",
         "",
         head,
         "|" + "|".join("-" * len(cell) for cell in head.split("|")[1:-1]) + "|",
     ]
     for row in rows:
         lines.append(
-            f"| {row['case']:<34} | {'yes' if row['straggler'] else 'no':>9} | {row['max_in_flight']:>9} |"
+            f"| {row['case']:<34} | {row['compute_ms']:>10g} | {'yes' if row['straggler'] else 'no':>9} |"
+            f" {row['max_in_flight']:>9} |"
             f" {row['none']:>12.2f} | {row['blocking']:>16.2f} | {row['async']:>13.2f} |"
             f" {_share(row['off_the_loop'], row['off_the_loop_quartiles']):>24} |"
         )
