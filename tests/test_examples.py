@@ -72,4 +72,4 @@ def test_bench_quick_runs_and_reports_its_collectives(tmp_path):
         assert (tmp_path / f"table_{suffix}.rst").read_text().startswith("::\n")
         assert (tmp_path / f"bench_{suffix}.png").read_bytes()[:4] == b"\x89PNG"
     assert "Skewed cat state: 3 gloo ranks" in out and "Memory of sync() alone" in out
-    assert "Syncs off the critical path" in out and len(result["async"]) == 6
+    assert "Syncs off the critical path" in out and len(result["async"]) == 7
