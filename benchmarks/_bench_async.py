@@ -128,8 +128,8 @@ def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
 
 
 def _share(median: float, quartiles: tuple[float, float]) -> str:
-    """``"61% (52-70)"``: the median share and its quartiles, in percent."""
-    return f"{median:.0%} ({quartiles[0]:.0%}-{quartiles[1]:.0%})".replace("%-", "-")
+    """``"61% (52-70%)"``: the median share and its quartiles, in percent."""
+    return f"{median:.0%} ({100 * quartiles[0]:.0f}-{quartiles[1]:.0%})"
 
 
 def run(quick: bool, repeats: int, members: Callable[[], dict[str, Any]]) -> dict[str, Any]:
