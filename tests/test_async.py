@@ -517,6 +517,28 @@ def test_the_benchmark_rows_run():
     assert "off the loop (quartiles)" in _bench_async.format_table(rows, 8, 3)
 
 
+def test_the_bounds_benchmark_replaces_only_the_logs_job_and_only_within_each_form():
+    from benchmarks import async_bounds
+
+    result = run_distributed(async_bounds.body, 2, 20, 3, deadline=240)[0]  # 20 steps: two collection syncs
+    # A log's result within each form: the library's job gives the key, the two replacements nothing.
+    assert result["keys"] == {"as is": 1, "bare all-gather": 0, "none": 0}
+    assert all(len(shares) == 3 for shares in result["shares"].values())
+    assert all(result["ms"][mode] > 4 for mode in ("none", "blocking", *async_bounds.FORMS))
+    assert "| bare all-gather " in async_bounds.format_table(result, 20, 3)
+    assert run_distributed(body_bounds_restored, 2, deadline=60) == [{"k": 0.5}] * 2  # the library's job after it
+
+
+def body_bounds_restored(rank, world_size):
+    from benchmarks import async_bounds
+
+    with async_bounds._log_job("none"):
+        pass
+    log = tv.ScalarLog()
+    log.update({"k": float(rank)})
+    return log.compute_async().result()
+
+
 # ----------------------------------------------------------------- what cannot leave the calling thread: at once
 def body_at_once(rank, world_size):
     from torchmetrics.classification import BinaryAccuracy
