@@ -93,14 +93,24 @@ def body(
         for _ in range(repeats):
             for mode, seconds in times.items():
                 seconds.append(_loop(rank, mode, steps, straggler, collection, in_flight, compute_s))
-            cost = times["blocking"][-1] - times["none"][-1]
-            offs.append(1 - (times["async"][-1] - times["none"][-1]) / cost if cost > 0 else float("nan"))
+            offs.append(off_the_loop(times["none"][-1], times["blocking"][-1], times["async"][-1]))
         ms = {mode: 1000 * statistics.median(seconds) for mode, seconds in times.items()}
-        quartiles = statistics.quantiles(offs, n=4) if len(offs) > 1 else [offs[0], offs[0], offs[0]]
-        off = {"off_the_loop": statistics.median(offs), "off_the_loop_quartiles": (quartiles[0], quartiles[2])}
+        off = {"off_the_loop": statistics.median(offs), "off_the_loop_quartiles": quartiles(offs)}
         case = {"case": name, "compute_ms": 1000 * compute_s, "straggler": straggler, "max_in_flight": in_flight}
         rows.append({**case, **ms, **off})
     return rows
+
+
+def off_the_loop(none: float, blocking: float, spent: float) -> float:
+    """One repeat's share of the blocking sync's time that left the loop (NaN where blocking cost nothing)."""
+    cost = blocking - none
+    return 1 - (spent - none) / cost if cost > 0 else float("nan")
+
+
+def quartiles(shares: list[float]) -> tuple[float, float]:
+    """The lower and upper quartiles of the repeats' shares (one repeat: its share twice)."""
+    cuts = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
+    return cuts[0], cuts[2]
 
 
 def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
@@ -122,14 +132,14 @@ def format_table(rows: list[dict[str, Any]], steps: int, repeats: int) -> str:
             f"| {row['case']:<34} | {row['compute_ms']:>10g} | {'yes' if row['straggler'] else 'no':>9} |"
             f" {row['max_in_flight']:>9} |"
             f" {row['none']:>12.2f} | {row['blocking']:>16.2f} | {row['async']:>13.2f} |"
-            f" {_share(row['off_the_loop'], row['off_the_loop_quartiles']):>24} |"
+            f" {share(row['off_the_loop'], row['off_the_loop_quartiles']):>24} |"
         )
     return "\n".join(lines)
 
 
-def _share(median: float, quartiles: tuple[float, float]) -> str:
+def share(median: float, low_high: tuple[float, float]) -> str:
     """``"61% (52-70%)"``: the median share and its quartiles, in percent."""
-    return f"{median:.0%} ({100 * quartiles[0]:.0f}-{quartiles[1]:.0%})"
+    return f"{median:.0%} ({100 * low_high[0]:.0f}-{low_high[1]:.0%})"
 
 
 def run(quick: bool, repeats: int, members: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks import _bench_async
+
 FORMS = ("as is", "bare all-gather", "none")
 BARE_WORDS = 218  # the 100-key log's record once its keys are known: header, bitmap, two words per key
 
@@ -57,7 +59,6 @@ def _log_job(form: str) -> Iterator[None]:
 
 def body(rank: int, world_size: int, steps: int, repeats: int) -> dict[str, Any]:
     """Each form's shares (one per repeat), the loops' seconds per step, and the keys of each form's last result."""
-    from benchmarks import _bench_async
     from benchmarks.bench import eight_metric_members
     from torchmetrics_varlen import MetricCollection, ScalarLog
 
@@ -78,7 +79,7 @@ def body(rank: int, world_size: int, steps: int, repeats: int) -> dict[str, Any]
                 log.update({"k": float(rank)})
                 keys[form] = len(log.compute_async().result())
             seconds[form].append(spent)
-            shares[form].append(1 - (spent - none) / (blocking - none) if blocking > none else float("nan"))
+            shares[form].append(_bench_async.off_the_loop(none, blocking, spent))
     return {"shares": shares, "ms": {mode: 1000 * statistics.median(s) for mode, s in seconds.items()}, "keys": keys}
 
 
@@ -94,20 +95,20 @@ def format_table(result: dict[str, Any], steps: int, repeats: int) -> str:
     ]
     for form in FORMS:
         shares = result["shares"][form]
-        low, _, high = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
-        share = f"{statistics.median(shares):.0%} ({100 * low:.0f}-{high:.0%})"
-        lines.append(f"| {form:<29} | {result['ms'][form]:>13.2f} | {share:>24} |")
+        off = _bench_async.share(statistics.median(shares), _bench_async.quartiles(shares))
+        lines.append(f"| {form:<29} | {result['ms'][form]:>13.2f} | {off:>24} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the forms on 2 gloo ranks and print the table."""
-    from benchmarks._bench_async import STEPS
     from tests._workers import WorkerPool
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.async_bounds", description=__doc__)
     parser.add_argument("--repeats", type=int, default=40, help="repeats of the five loops (default 40)")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"steps per loop (default {STEPS})")
+    parser.add_argument(
+        "--steps", type=int, default=_bench_async.STEPS, help=f"steps per loop (default {_bench_async.STEPS})"
+    )
     args = parser.parse_args(argv)
     for flag, value in (("--repeats", args.repeats), ("--steps", args.steps)):
         if value < 1:
